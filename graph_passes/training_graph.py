@@ -1,0 +1,167 @@
+"""A training-step graph: an ONNX model plus the role of every value and the state it carries.
+
+One step reads parameters, optimizer state and buffers as graph inputs and writes their updated
+versions as graph outputs; ``state_pairs`` maps each such input to the output that replaces it
+for the next step. Roles and pairs are stored in the model's ``metadata_props`` so a saved graph
+is self-describing: ``TrainingGraph.load`` of a file written by ``ort_offload.export`` recovers
+them; a foreign graph gets roles inferred from its structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import onnx
+
+ROLES_KEY = "ort_offload.roles"
+STATE_PAIRS_KEY = "ort_offload.state_pairs"
+MODEL_NAME_KEY = "ort_offload.model"
+DATA_INPUTS_KEY = "ort_offload.data_inputs"
+
+
+class Role(str, enum.Enum):
+    """What a value is in a training step."""
+
+    INPUT = "input"  # a batch tensor: model input or target
+    PARAM = "param"
+    GRAD = "grad"
+    OPTIMIZER_STATE = "optimizer_state"  # moments, momentum buffers, step count, learning rate
+    BUFFER = "buffer"  # non-trainable module state updated by the step (BatchNorm running stats)
+    ACTIVATION = "activation"
+    LOSS = "loss"
+
+
+# Roles whose values persist across steps (resident state of the trainer).
+STATE_ROLES = frozenset({Role.PARAM, Role.OPTIMIZER_STATE, Role.BUFFER})
+
+
+@dataclasses.dataclass
+class TrainingGraph:
+    """An ONNX training step and what its values are.
+
+    ``roles`` covers every graph input, graph output and node output. ``state_pairs`` maps a
+    state input name to the output name holding its value after the step.
+    """
+
+    model: onnx.ModelProto
+    roles: dict[str, Role]
+    state_pairs: dict[str, str]
+    name: str = "graph"
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.model.graph.input]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.model.graph.output]
+
+    @property
+    def data_inputs(self) -> list[str]:
+        """Inputs fed per step (batch tensors), in graph order."""
+        return [n for n in self.input_names if self.roles.get(n) == Role.INPUT]
+
+    @property
+    def state_inputs(self) -> list[str]:
+        return [n for n in self.input_names if self.roles.get(n) in STATE_ROLES]
+
+    @property
+    def loss_name(self) -> str | None:
+        for name in self.output_names:
+            if self.roles.get(name) == Role.LOSS:
+                return name
+        return None
+
+    def names_with_role(self, role: Role) -> list[str]:
+        return [n for n, r in self.roles.items() if r == role]
+
+    # ---- persistence -------------------------------------------------------------------
+
+    def with_metadata(self) -> onnx.ModelProto:
+        """The model with roles and state pairs written into ``metadata_props``."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        props = {p.key: p.value for p in model.metadata_props}
+        props[ROLES_KEY] = json.dumps({k: v.value for k, v in self.roles.items()}, sort_keys=True)
+        props[STATE_PAIRS_KEY] = json.dumps(self.state_pairs, sort_keys=True)
+        props[MODEL_NAME_KEY] = self.name
+        del model.metadata_props[:]
+        for key in sorted(props):
+            model.metadata_props.add(key=key, value=props[key])
+        return model
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the graph atomically (temporary file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            onnx.save_model(self.with_metadata(), tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def from_model(cls, model: onnx.ModelProto, *, name: str | None = None) -> "TrainingGraph":
+        """Wrap a model, reading roles from its metadata or inferring them from its structure."""
+        props = {p.key: p.value for p in model.metadata_props}
+        if ROLES_KEY in props:
+            roles = {k: Role(v) for k, v in json.loads(props[ROLES_KEY]).items()}
+            pairs = json.loads(props.get(STATE_PAIRS_KEY, "{}"))
+        else:
+            roles, pairs = infer_roles(model)
+        graph_name = name or props.get(MODEL_NAME_KEY) or model.graph.name or "graph"
+        return cls(model=model, roles=roles, state_pairs=pairs, name=graph_name)
+
+
+def infer_roles(model: onnx.ModelProto) -> tuple[dict[str, Role], dict[str, str]]:
+    """Roles for a graph without our metadata.
+
+    An input whose name reappears as an output with a common "updated" suffix is state; a
+    floating-point scalar output named like a loss (or the first scalar output) is the loss;
+    everything else is a batch input or an activation.
+    """
+    graph = model.graph
+    outputs = [o.name for o in graph.output]
+    output_set = set(outputs)
+    roles: dict[str, Role] = {}
+    pairs: dict[str, str] = {}
+    for value in graph.input:
+        for suffix in (".updated", "_updated", ".new", "_new", "_out", ".out"):
+            if value.name + suffix in output_set:
+                pairs[value.name] = value.name + suffix
+                break
+        roles[value.name] = Role.PARAM if value.name in pairs else Role.INPUT
+    for name, out in pairs.items():
+        roles[out] = roles[name]
+    for node in graph.node:
+        for out in node.output:
+            if out and out not in roles:
+                roles[out] = Role.ACTIVATION
+    loss = next((o for o in outputs if "loss" in o.lower()), None)
+    if loss is None:
+        loss = next((o.name for o in graph.output if _is_scalar(o)), None)
+    if loss is not None:
+        roles[loss] = Role.LOSS
+    return roles, pairs
+
+
+def _is_scalar(value: onnx.ValueInfoProto) -> bool:
+    tensor_type = value.type.tensor_type
+    return tensor_type.HasField("shape") and len(tensor_type.shape.dim) == 0
+
+
+def role_counts(roles: Mapping[str, Role]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for role in roles.values():
+        counts[role.value] = counts.get(role.value, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,502 @@
+"""torch → one ONNX graph of a whole training step (forward, backward, optimizer update).
+
+The path (DESIGN.md, "Facts measured"): ``torch.export.export`` of a module whose forward
+returns the loss, ``_export_forward_backward`` for the joint forward/backward graph, and a
+re-export of that joint graph with ``torch.onnx.export(dynamo=True)`` so the backward is made of
+standard ONNX ops. The optimizer update is then appended as ONNX ops
+(:mod:`ort_offload.optimizers`), values are renamed after what they are (parameter FQNs,
+``<param>.exp_avg``, ``<name>.updated``, ``loss``) and every value's role is recorded.
+
+Exports are cached on disk, keyed by model structure and code, parameter/buffer shapes, the
+input signature, the loss function and the optimizer; a cache hit skips torch entirely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+
+from graph_passes.training_graph import Role, TrainingGraph
+from ort_offload import optimizers
+from ort_offload.errors import ExportError, InputMismatchError
+
+logger = logging.getLogger(__name__)
+
+OPSET_VERSION = 20
+EXPORTER_VERSION = "1"  # bump when the exported graph's layout changes: invalidates caches
+LOSS_OUTPUT = "loss"
+CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ort_offload" / "exports"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """An exported training step and how it was obtained."""
+
+    graph: TrainingGraph
+    cache_key: str
+    cache_hit: bool
+    export_time_s: float
+    path: Path | None
+
+
+class _LossModule(torch.nn.Module):
+    """forward(*inputs, *targets) -> scalar loss, from a model plus an optional loss function."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, num_inputs: int) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def forward(self, *batch):
+        inputs, targets = batch[: self.num_inputs], batch[self.num_inputs :]
+        out = self.model(*inputs)
+        return out if self.loss_fn is None else self.loss_fn(out, *targets)
+
+
+class _Positional(torch.nn.Module):
+    """Calls an exported graph module with positional arguments only."""
+
+    def __init__(self, graph_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+
+    def forward(self, *args):
+        return self.graph_module(*args)
+
+
+@contextlib.contextmanager
+def _export_context():
+    """Math attention (flash/efficient backwards have no ONNX translation), quiet warnings."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _translation_table() -> dict:
+    from ort_offload.aten_translations import CUSTOM_TRANSLATION_TABLE
+
+    return dict(CUSTOM_TRANSLATION_TABLE)
+
+
+def _source_of(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return getattr(obj, "__qualname__", repr(type(obj)))
+
+
+def _structure_fingerprint(model: torch.nn.Module, loss_fn: Callable | None) -> dict:
+    classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__module__ + c.__qualname__)
+    return {
+        "repr": repr(model),
+        "code": [hashlib.sha256(_source_of(c).encode()).hexdigest() for c in classes],
+        "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+        "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        "training": model.training,
+        "loss_fn": None if loss_fn is None else hashlib.sha256(_source_of(loss_fn).encode()).hexdigest(),
+    }
+
+
+def _signature(batch: Sequence[torch.Tensor], dynamic_axes: Sequence[Mapping[int, str]]) -> list:
+    sig = []
+    for tensor, axes in zip(batch, dynamic_axes):
+        dims = ["?" if i in axes else int(d) for i, d in enumerate(tensor.shape)]
+        sig.append((str(tensor.dtype), dims))
+    return sig
+
+
+def cache_key(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    batch: Sequence[torch.Tensor],
+    dynamic_axes: Sequence[Mapping[int, str]],
+    optimizer: optimizers.OptimizerConfig | None,
+    kind: str,
+) -> str:
+    payload = {
+        "kind": kind,
+        "exporter": EXPORTER_VERSION,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "structure": _structure_fingerprint(model, loss_fn),
+        "signature": _signature(batch, dynamic_axes),
+        "optimizer": None
+        if optimizer is None
+        else {"type": type(optimizer).__name__, **{k: v for k, v in dataclasses.asdict(optimizer).items() if k != "lr"}},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _dynamic_shapes(batch: Sequence[torch.Tensor], dynamic_axes: Sequence[Mapping[int, str]]):
+    shapes = []
+    for tensor, axes in zip(batch, dynamic_axes):
+        shapes.append({i: torch.export.Dim.AUTO for i in axes if i < tensor.dim()} or None)
+    return tuple(shapes)
+
+
+def export_training_step(
+    model: torch.nn.Module,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: Sequence[torch.Tensor] = (),
+    loss_fn: Callable | None = None,
+    optimizer: optimizers.OptimizerConfig | str = "adamw",
+    input_names: Sequence[str] | None = None,
+    target_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    name: str = "model",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> ExportResult:
+    """Export one training step of ``model`` as a :class:`TrainingGraph`.
+
+    ``example_inputs`` are the model's inputs, ``example_targets`` the extra arguments of
+    ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward returns the loss.
+    ``dynamic_axes`` maps an input or target name to ``{axis: "batch" | "seq"}``.
+    """
+    optimizer = optimizers.make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    return _export(
+        model,
+        kind="train",
+        example_inputs=example_inputs,
+        example_targets=example_targets,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        input_names=input_names,
+        target_names=target_names,
+        dynamic_axes=dynamic_axes,
+        name=name,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+    )
+
+
+def export_forward(
+    model: torch.nn.Module,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    input_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    name: str = "model",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> ExportResult:
+    """Export the model's forward in eval mode (parameters and buffers as inputs) for ``eval()``."""
+    return _export(
+        model,
+        kind="eval",
+        example_inputs=example_inputs,
+        example_targets=(),
+        loss_fn=None,
+        optimizer=None,
+        input_names=input_names,
+        target_names=(),
+        dynamic_axes=dynamic_axes,
+        name=name,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+    )
+
+
+def _export(
+    model, *, kind, example_inputs, example_targets, loss_fn, optimizer, input_names, target_names,
+    dynamic_axes, name, cache_dir, use_cache,
+) -> ExportResult:
+    example_inputs = tuple(example_inputs)
+    example_targets = tuple(example_targets)
+    batch = example_inputs + example_targets
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise InputMismatchError(f"example input {i} is a {type(t).__name__}, not a torch.Tensor")
+    input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
+    target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
+    if len(input_names) != len(example_inputs) or len(target_names) != len(example_targets):
+        raise InputMismatchError("input_names/target_names must name every example input/target")
+    batch_names = input_names + target_names
+    dynamic_axes = dynamic_axes or {}
+    axes = [dict(dynamic_axes.get(n, {})) for n in batch_names]
+
+    was_training = model.training
+    model.train(kind == "train")
+    try:
+        key = cache_key(model, loss_fn, batch, axes, optimizer, kind)
+        directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        path = directory / f"{name}-{kind}-{key}.onnx"
+        start = time.perf_counter()
+        if use_cache and path.exists():
+            try:
+                graph = TrainingGraph.from_model(onnx.load(path), name=name)
+                elapsed = time.perf_counter() - start
+                logger.info("export cache hit for %s (%s) in %.3f s", name, kind, elapsed)
+                return ExportResult(graph, key, True, elapsed, path)
+            except Exception as e:  # a corrupt cache entry is re-exported, not fatal
+                logger.warning("ignoring unreadable export cache entry %s: %s", path, e)
+        if kind == "train":
+            graph = _export_train(model, loss_fn, example_inputs, example_targets, batch_names, axes, optimizer, name)
+        else:
+            graph = _export_eval(model, example_inputs, input_names, axes, name)
+        elapsed = time.perf_counter() - start
+        logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
+        saved = None
+        if use_cache:
+            directory.mkdir(parents=True, exist_ok=True)
+            saved = graph.save(path)
+        return ExportResult(graph, key, False, elapsed, saved)
+    finally:
+        model.train(was_training)
+
+
+def _torch_export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
+    try:
+        with _export_context():
+            return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(
+            f"torch.export could not capture the model ({type(e).__name__}: {first}); "
+            "remove data-dependent control flow or .item() calls from forward"
+        ) from e
+
+
+def _onnx_export(graph_module, args: tuple, dynamic_shapes) -> ir.Model:
+    try:
+        with _export_context():
+            program = torch.onnx.export(
+                _Positional(graph_module),
+                args,
+                dynamo=True,
+                dynamic_shapes=(dynamic_shapes,),
+                opset_version=OPSET_VERSION,
+                custom_translation_table=_translation_table(),
+                verbose=False,
+                optimize=True,
+            )
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"ONNX export of the training step failed ({type(e).__name__}: {first})") from e
+    return program.model
+
+
+def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, axes, optimizer, name):
+    from torch.export.experimental import _export_forward_backward
+
+    batch = example_inputs + example_targets
+    wrapper = _LossModule(model, loss_fn, len(example_inputs))
+    ep = _torch_export(wrapper, batch, (_dynamic_shapes(batch, axes),))  # forward(*batch): one varargs entry
+    try:
+        with _export_context():
+            joint = _export_forward_backward(ep)
+    except Exception as e:
+        raise ExportError(f"torch could not build the backward graph ({type(e).__name__}: {e})") from e
+
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    params = dict(wrapper.named_parameters())
+    buffers = dict(wrapper.named_buffers())
+    args, arg_names, arg_roles, dyn = [], [], [], []
+    user_index = 0
+    for spec in joint.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            args.append(params[spec.target].detach())
+            arg_names.append(_strip(spec.target))
+            arg_roles.append(Role.PARAM)
+            dyn.append(None)
+        elif spec.kind == InputKind.BUFFER:
+            args.append(buffers[spec.target].detach())
+            arg_names.append(_strip(spec.target))
+            arg_roles.append(Role.BUFFER)
+            dyn.append(None)
+        elif spec.kind == InputKind.USER_INPUT:
+            args.append(batch[user_index])
+            arg_names.append(batch_names[user_index])
+            arg_roles.append(Role.INPUT)
+            dyn.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
+            user_index += 1
+        else:
+            raise ExportError(f"unsupported input kind {spec.kind} in the joint graph of {name}")
+
+    out_names, out_roles, grad_of = [], [], {}
+    for spec in joint.graph_signature.output_specs:
+        if spec.kind == OutputKind.LOSS_OUTPUT:
+            out_names.append(LOSS_OUTPUT)
+            out_roles.append(Role.LOSS)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            out_names.append(optimizers.updated_name(_strip(spec.target)))
+            out_roles.append(Role.BUFFER)
+        elif spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+            out_names.append(f"{_strip(spec.target)}.grad")
+            out_roles.append(Role.GRAD)
+            grad_of[out_names[-1]] = _strip(spec.target)
+        else:
+            raise ExportError(f"unsupported output kind {spec.kind} in the joint graph of {name}")
+
+    ir_model = _onnx_export(joint.graph_module, tuple(args), tuple(dyn))
+    graph = ir_model.graph
+    if len(graph.inputs) != len(arg_names) or len(graph.outputs) != len(out_names):
+        raise ExportError(
+            f"ONNX export of {name} changed the step's signature "
+            f"({len(graph.inputs)} inputs/{len(graph.outputs)} outputs, expected {len(arg_names)}/{len(out_names)})"
+        )
+    _rename_signature(graph, arg_names, out_names)
+    roles = dict(zip(arg_names, arg_roles))
+    roles.update(zip(out_names, out_roles))
+    pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
+    if optimizer is not None:
+        _append_optimizer(graph, optimizer, grad_of, roles, pairs)
+    return _finish(ir_model, roles, pairs, name)
+
+
+def _export_eval(model, example_inputs, input_names, axes, name):
+    ep = _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
+    from torch.export.graph_signature import InputKind
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    args, arg_names, arg_roles, dyn = [], [], [], []
+    user_index = 0
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            source = params if spec.kind == InputKind.PARAMETER else buffers
+            args.append(source[spec.target].detach())
+            arg_names.append(spec.target)
+            arg_roles.append(Role.PARAM if spec.kind == InputKind.PARAMETER else Role.BUFFER)
+            dyn.append(None)
+        elif spec.kind == InputKind.USER_INPUT:
+            args.append(example_inputs[user_index])
+            arg_names.append(input_names[user_index])
+            arg_roles.append(Role.INPUT)
+            dyn.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
+            user_index += 1
+        else:
+            raise ExportError(f"unsupported input kind {spec.kind} in the forward graph of {name}")
+    ir_model = _onnx_export(ep.graph_module, tuple(args), tuple(dyn))
+    graph = ir_model.graph
+    out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]
+    _rename_signature(graph, arg_names, out_names)
+    roles = dict(zip(arg_names, arg_roles))
+    roles.update({n: Role.ACTIVATION for n in out_names})
+    return _finish(ir_model, roles, {}, name)
+
+
+def _strip(target: str) -> str:
+    """FQN of a parameter of the wrapped model ("model.layers.0.w" -> "layers.0.w")."""
+    return target[len("model.") :] if target.startswith("model.") else target
+
+
+def _base(updated: str) -> str:
+    return updated[: -len(optimizers.UPDATED_SUFFIX)]
+
+
+def _rename_signature(graph: ir.Graph, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+    taken = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.initializers.values()}
+    for value, new in zip(graph.inputs, input_names):
+        if new in taken:
+            raise ExportError(f"value name {new!r} is already used inside the exported graph")
+        value.name = new
+    outputs = list(graph.outputs)
+    for i, (value, new) in enumerate(zip(outputs, output_names)):
+        if value.is_graph_input() or value.name in output_names[:i] or any(
+            value is other for other in outputs[:i]
+        ):
+            # An output that is an input or repeats another output gets its own Identity.
+            node = ir.node("Identity", [value], name=f"export/identity/{new}")
+            graph.append(node)
+            node.outputs[0].name = new
+            node.outputs[0].dtype, node.outputs[0].shape = value.dtype, value.shape
+            graph.outputs[i] = node.outputs[0]
+        else:
+            value.name = new
+
+
+def _append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs: dict) -> None:
+    values = {v.name: v for v in graph.inputs}
+    grads = {v.name: v for v in graph.outputs if v.name in grad_of}
+    scalar_f = ir.TensorType(ir.DataType.FLOAT)
+    lr = ir.Value(name=optimizers.LR_INPUT, type=scalar_f, shape=ir.Shape([]))
+    step = ir.Value(name=optimizers.STEP_INPUT, type=scalar_f, shape=ir.Shape([]))
+    graph.inputs.extend([lr, step])
+    roles[lr.name] = roles[step.name] = Role.OPTIMIZER_STATE
+    new_outputs = [v for v in graph.outputs if v.name not in grad_of]
+    for grad_name, param_name in grad_of.items():
+        param = values[param_name]
+        states = {}
+        for state in config.state_names:
+            sname = optimizers.state_input_name(param_name, state)
+            value = ir.Value(name=sname, type=param.type, shape=param.shape)
+            graph.inputs.append(value)
+            states[state] = value
+            roles[sname] = Role.OPTIMIZER_STATE
+        updates = optimizers.append_update(
+            graph, config, param=param, grad=grads[grad_name], states=states, lr=lr, step=step
+        )
+        for source, updated in updates.items():
+            updated.dtype, updated.shape = param.dtype, param.shape
+            new_outputs.append(updated)
+            roles[updated.name] = roles[source]
+            pairs[source] = updated.name
+    graph.outputs.clear()
+    graph.outputs.extend(new_outputs)
+
+
+def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str) -> TrainingGraph:
+    model = ir.to_proto(ir_model)
+    model.graph.name = name
+    for node in model.graph.node:
+        for out in node.output:
+            if out and out not in roles:
+                roles[out] = Role.ACTIVATION
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"exported graph of {name} is not valid ONNX: {str(e).splitlines()[0]}") from e
+    return TrainingGraph(model=model, roles=roles, state_pairs=pairs, name=name)
+
+
+def initial_state(
+    graph: TrainingGraph, model: torch.nn.Module, *, lr: float, step: int = 1
+) -> dict[str, np.ndarray]:
+    """Values of every state input for the first step: parameters, buffers, zero optimizer state."""
+    tensors = {n: t.detach().cpu().numpy() for n, t in model.state_dict(keep_vars=False).items()}
+    by_input = {v.name: v for v in graph.graph.input}
+    state = {}
+    for input_name in graph.state_inputs:
+        if input_name == optimizers.LR_INPUT:
+            state[input_name] = np.array(lr, dtype=np.float32)
+        elif input_name == optimizers.STEP_INPUT:
+            state[input_name] = np.array(step, dtype=np.float32)
+        elif input_name in tensors:
+            state[input_name] = np.ascontiguousarray(tensors[input_name]).copy()
+        else:
+            param_name = input_name.rsplit(".", 1)[0]
+            if param_name not in tensors:
+                raise ExportError(f"no initial value for state input {input_name!r}")
+            state[input_name] = np.zeros_like(tensors[param_name])
+        elem = by_input[input_name].type.tensor_type.elem_type
+        expected = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        if state[input_name].dtype != expected:
+            state[input_name] = state[input_name].astype(expected)
+    return state
