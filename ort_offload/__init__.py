@@ -37,3 +37,16 @@ __all__ = [
     "format_bytes",
     "parse_budget",
 ]
+
+from ort_offload.device import OffloadDevice, set_offload_device  # noqa: E402
+from ort_offload.export import export_forward, export_training_step  # noqa: E402
+from ort_offload.trainer import OrtTrainer, create_ort_trainer  # noqa: E402
+
+__all__ += [
+    "OffloadDevice",
+    "OrtTrainer",
+    "create_ort_trainer",
+    "export_forward",
+    "export_training_step",
+    "set_offload_device",
+]

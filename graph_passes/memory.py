@@ -1,0 +1,226 @@
+"""The device-memory accounting shared by analyses and the runtime.
+
+:class:`BestFitAllocator` is the arena's bookkeeping without a buffer: aligned best-fit
+placement in one address range, coalescing frees, a high-water mark of the highest address in
+use. The runtime's ``DeviceArena`` places real tensors with it; :func:`simulate_program`
+replays a lowered program through it, so the analysed ``baseline_peak_bytes`` and the
+measured ``peak_device_bytes`` come from the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Iterable, Mapping
+
+DEFAULT_ALIGNMENT = 64
+
+
+def align_up(nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Bytes ``nbytes`` occupies in the arena (at least one alignment unit)."""
+    return max(alignment, (int(nbytes) + alignment - 1) // alignment * alignment)
+
+
+class OutOfArenaMemory(Exception):
+    """No free range is large enough (internal: the runtime turns it into a budget error)."""
+
+    def __init__(self, name: str, nbytes: int, in_use: int, capacity: int | None) -> None:
+        super().__init__(f"cannot place {name!r} ({nbytes} bytes): {in_use} of {capacity} bytes in use")
+        self.name, self.nbytes, self.in_use, self.capacity = name, nbytes, in_use, capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    offset: int
+    nbytes: int  # aligned size
+
+
+class BestFitAllocator:
+    """Aligned best-fit placement in ``[0, capacity)``; ``capacity=None`` means unbounded."""
+
+    def __init__(self, capacity: int | None = None, *, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        self.capacity = capacity
+        self.alignment = alignment
+        self._free: list[tuple[int, int]] = []  # sorted (offset, size) holes below self._top
+        self._top = 0  # end of the highest allocation ever extended to (current frontier)
+        self._placements: dict[str, Placement] = {}
+        self.in_use = 0
+        self.high_water = 0  # highest address ever in use
+        self.peak_in_use = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._placements
+
+    def placement(self, name: str) -> Placement:
+        return self._placements[name]
+
+    def names(self) -> list[str]:
+        return list(self._placements)
+
+    def allocate(self, name: str, nbytes: int) -> Placement:
+        if name in self._placements:
+            raise ValueError(f"{name!r} is already allocated")
+        size = align_up(nbytes, self.alignment)
+        best = None
+        for i, (offset, hole) in enumerate(self._free):
+            if hole >= size and (best is None or hole < self._free[best][1]):
+                best = i
+        if best is not None:
+            offset, hole = self._free.pop(best)
+            if hole > size:
+                bisect.insort(self._free, (offset + size, hole - size))
+        else:
+            # Extend at the frontier, absorbing a trailing hole that touches it.
+            offset = self._top
+            if self._free and sum(self._free[-1]) == self._top:
+                offset = self._free.pop()[0]
+            if self.capacity is not None and offset + size > self.capacity:
+                if offset != self._top:  # put the trailing hole back
+                    bisect.insort(self._free, (offset, self._top - offset))
+                raise OutOfArenaMemory(name, size, self.in_use, self.capacity)
+            self._top = offset + size
+        placement = Placement(offset, size)
+        self._placements[name] = placement
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        self.high_water = max(self.high_water, offset + size)
+        return placement
+
+    def free(self, name: str) -> None:
+        placement = self._placements.pop(name)
+        self.in_use -= placement.nbytes
+        start, end = placement.offset, placement.offset + placement.nbytes
+        i = bisect.bisect_left(self._free, (start, 0))
+        if i > 0 and sum(self._free[i - 1]) == start:  # merge with the hole before
+            i -= 1
+            start = self._free.pop(i)[0]
+        if i < len(self._free) and self._free[i][0] == end:  # and the hole after
+            end = sum(self._free.pop(i))
+        if end == self._top:
+            self._top = start  # the frontier retreats; no hole kept above it
+        else:
+            self._free.insert(i, (start, end - start))
+
+    def rename(self, old: str, new: str) -> None:
+        """The tensor at ``old`` is now known as ``new`` (state that became the next step's input)."""
+        if new in self._placements:
+            raise ValueError(f"{new!r} is already allocated")
+        self._placements[new] = self._placements.pop(old)
+
+    def high_water_live(self) -> int:
+        """End of the highest tensor live now."""
+        return max((p.offset + p.nbytes for p in self._placements.values()), default=0)
+
+    def layout(self) -> tuple[tuple[str, int, int], ...]:
+        """Where every live tensor is; with the canonical free list this is the whole state."""
+        return tuple(sorted((n, p.offset, p.nbytes) for n, p in self._placements.items()))
+
+    def clone(self) -> "BestFitAllocator":
+        other = BestFitAllocator(self.capacity, alignment=self.alignment)
+        other._free = list(self._free)
+        other._top = self._top
+        other._placements = dict(self._placements)
+        other.in_use, other.high_water, other.peak_in_use = self.in_use, self.high_water, self.peak_in_use
+        return other
+
+    def check_no_overlap(self) -> None:
+        """Invariant: no two live tensors share a byte."""
+        spans = sorted((p.offset, p.offset + p.nbytes, n) for n, p in self._placements.items())
+        for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise AssertionError(f"{n0!r} [{s0}, {e0}) overlaps {n1!r} at {s1}")
+
+
+def peak_of_sizes(events: Iterable[tuple[str, str]], sizes: Mapping[str, int]) -> int:
+    """High-water of a sequence of ('alloc'|'free', name) events under best-fit placement."""
+    allocator = BestFitAllocator()
+    for kind, name in events:
+        allocator.allocate(name, sizes[name]) if kind == "alloc" else allocator.free(name)
+    return allocator.high_water
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    """Device bytes after one program step: ``in_use`` arena bytes (plus the running block's
+    workspace while a block runs) and the arena's ``high_water`` so far."""
+
+    label: str
+    in_use: int
+    workspace: int
+    high_water: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTrace:
+    arena_high_water: int
+    max_workspace: int
+    timeline: tuple[MemoryPoint, ...]  # the last simulated step
+    layouts: frozenset = frozenset()  # arena layouts seen between steps (the steady-state cycle)
+    steady: bool = True  # a layout repeated within the simulated steps
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Arena high-water plus the largest block workspace (DESIGN.md, peak accounting)."""
+        return self.arena_high_water + self.max_workspace
+
+
+def simulate_program(
+    program,
+    infos,
+    *,
+    start: BestFitAllocator | None = None,
+    max_steps: int = 8,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> MemoryTrace:
+    """Replay ``program`` (a :class:`graph_passes.program.Program`) through the arena's allocator.
+
+    ``start`` is the arena as it is (copied, not changed); without it the state inputs are
+    placed in input order, as the runtime does when it places state. Steps are replayed until
+    the layout between steps repeats, so the peak covers the steady state; ``steady`` says
+    whether that happened within ``max_steps``.
+    """
+    if start is not None:
+        allocator = start.clone()
+    else:
+        allocator = BestFitAllocator(alignment=alignment)
+        for name in program.state_inputs:
+            allocator.allocate(name, infos[name].nbytes)
+    layouts = [allocator.layout()]
+    timeline: list[MemoryPoint] = []
+    steady = False
+    for _ in range(max_steps):
+        timeline = []
+        _replay_one_step(allocator, program, infos, timeline)
+        layout = allocator.layout()
+        if layout in layouts:
+            steady = True
+            break
+        layouts.append(layout)
+    return MemoryTrace(
+        allocator.high_water, program.max_workspace_bytes, tuple(timeline), frozenset(layouts), steady
+    )
+
+
+def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list[MemoryPoint]) -> None:
+    from graph_passes.program import Commit, Fetch, Load, RunBlock
+
+    for step in program.steps:
+        if isinstance(step, Load):
+            allocator.allocate(step.name, infos[step.name].nbytes)
+            timeline.append(MemoryPoint(f"load {step.name}", allocator.in_use, 0, allocator.high_water))
+        elif isinstance(step, RunBlock):
+            for name in step.allocates:
+                allocator.allocate(name, infos[name].nbytes)
+            workspace = program.blocks[step.block].workspace_bytes
+            timeline.append(MemoryPoint(f"block {step.block}", allocator.in_use, workspace, allocator.high_water))
+            for name in step.frees:
+                allocator.free(name)
+        elif isinstance(step, Fetch):
+            if step.free:
+                allocator.free(step.name)
+        elif isinstance(step, Commit):
+            for updated, state in step.renames:
+                if state in allocator:
+                    allocator.free(state)
+                allocator.rename(updated, state)
+            timeline.append(MemoryPoint("commit", allocator.in_use, 0, allocator.high_water))

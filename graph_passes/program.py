@@ -1,0 +1,204 @@
+"""Lowering of a training-step graph into a program of execution blocks and memory steps.
+
+The schedule (a topological order of nodes) is cut into execution blocks of consecutive nodes;
+each block becomes one ONNX Runtime session in the runtime. Values crossing block boundaries
+live in the device arena; values born and dead inside one block are the block's workspace
+(ONNX Runtime allocates them while the block runs). The program says, in order, what the
+runtime does each step: load a batch tensor, run a block (its outputs are allocated first),
+free values after their last use, fetch outputs to the host, and commit updated state as the
+next step's input. Pure data: the runtime executes it, :mod:`graph_passes.memory` replays it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence, Union
+
+import onnx
+
+from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names
+from graph_passes.shapes import TensorInfo
+
+DEFAULT_BLOCK_NODES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Consecutive nodes run as one session: reads ``inputs``, writes ``outputs`` to the arena."""
+
+    index: int
+    node_indices: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    workspace_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Allocate a batch tensor in the arena and copy it in from the host."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunBlock:
+    """Allocate the block's outputs, run it, then free what it read for the last time."""
+
+    block: int
+    allocates: tuple[str, ...]
+    frees: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    """Copy a graph output to the host and free it (unless it is state kept for the next step)."""
+
+    name: str
+    free: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """Updated state takes its input's name for the next step (no copy: the arena entry is renamed)."""
+
+    renames: tuple[tuple[str, str], ...]  # (updated output, state input)
+
+
+Step = Union[Load, RunBlock, Fetch, Commit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    blocks: tuple[Block, ...]
+    steps: tuple[Step, ...]
+    state_inputs: tuple[str, ...]  # resident across steps, in placement order
+    data_inputs: tuple[str, ...]
+    fetches: tuple[str, ...]  # outputs returned to the caller
+
+    @property
+    def max_workspace_bytes(self) -> int:
+        return max((b.workspace_bytes for b in self.blocks), default=0)
+
+
+def partition(num_nodes: int, max_block_nodes: int = DEFAULT_BLOCK_NODES) -> list[tuple[int, ...]]:
+    """Cut positions ``0..num_nodes-1`` into consecutive chunks of at most ``max_block_nodes``,
+    sized evenly so the last block is not a sliver."""
+    if num_nodes == 0:
+        return []
+    count = -(-num_nodes // max(1, max_block_nodes))
+    bounds = [round(i * num_nodes / count) for i in range(count + 1)]
+    return [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def lower(
+    model: onnx.ModelProto,
+    infos: Mapping[str, TensorInfo],
+    *,
+    state_pairs: Mapping[str, str],
+    data_inputs: Sequence[str],
+    fetches: Sequence[str] | None = None,
+    max_block_nodes: int = DEFAULT_BLOCK_NODES,
+    schedule: Sequence[int] | None = None,
+) -> Program:
+    """Lower ``model`` into blocks and steps for one input signature (``infos``)."""
+    graph = model.graph
+    nodes = list(graph.node)
+    order = list(range(len(nodes))) if schedule is None else list(schedule)
+    initializers = {t.name for t in graph.initializer}
+    graph_inputs = [v.name for v in graph.input if v.name not in initializers]
+    check_topological([nodes[i] for i in order], set(graph_inputs) | initializers)
+    outputs = [o.name for o in graph.output]
+    output_set = set(outputs)
+    fetches = tuple(fetches if fetches is not None else [o for o in outputs if o not in state_pairs.values()])
+    state_inputs = tuple(n for n in graph_inputs if n not in set(data_inputs))
+
+    chunks = partition(len(order), max_block_nodes)
+    block_of_position = {}
+    for b, chunk in enumerate(chunks):
+        for position in chunk:
+            block_of_position[position] = b
+
+    producer_block: dict[str, int] = {n: INPUT_POSITION for n in graph_inputs}
+    last_block: dict[str, int] = {n: INPUT_POSITION for n in graph_inputs}
+    for position, node_index in enumerate(order):
+        b = block_of_position[position]
+        for name in consumed_names(nodes[node_index]):
+            if name in producer_block:
+                last_block[name] = b
+        for name in nodes[node_index].output:
+            if name:
+                producer_block[name] = b
+                last_block.setdefault(name, b)
+
+    blocks = []
+    for b, chunk in enumerate(chunks):
+        block_nodes = [nodes[order[p]] for p in chunk]
+        produced = [o for n in block_nodes for o in n.output if o]
+        produced_set = set(produced)
+        inputs = []
+        for n in block_nodes:
+            for name in consumed_names(n):
+                if name not in produced_set and name not in initializers and name not in inputs:
+                    inputs.append(name)
+        outs = [o for o in produced if o in output_set or last_block[o] > b]
+        blocks.append(
+            Block(
+                index=b,
+                node_indices=tuple(order[p] for p in chunk),
+                inputs=tuple(inputs),
+                outputs=tuple(outs),
+                workspace_bytes=_workspace(block_nodes, set(outs), infos),
+            )
+        )
+
+    persistent = {n for n in state_inputs if n not in state_pairs}  # state nothing replaces
+    steps: list[Step] = [Load(n) for n in graph_inputs if n in set(data_inputs)]
+    dead_after_load = [
+        n for n in graph_inputs if last_block[n] == INPUT_POSITION and n not in output_set and n not in persistent
+    ]
+    frees_by_block: dict[int, list[str]] = {}
+    for name, b in last_block.items():
+        resident = producer_block[name] < b  # crossed a block boundary, so it lives in the arena
+        if b >= 0 and resident and name not in output_set and name not in persistent:
+            frees_by_block.setdefault(b, []).append(name)
+    first_run = True
+    for block in blocks:
+        frees = tuple(sorted(frees_by_block.get(block.index, []), key=_stable_order(graph_inputs, nodes)))
+        if first_run:
+            frees = tuple(dead_after_load) + frees
+            first_run = False
+        steps.append(RunBlock(block.index, block.outputs, frees))
+    for name in fetches:
+        steps.append(Fetch(name, free=name not in state_pairs.values()))
+    renames = tuple((out, inp) for inp, out in state_pairs.items())
+    if renames:
+        steps.append(Commit(renames))
+    return Program(tuple(blocks), tuple(steps), state_inputs, tuple(n for n in graph_inputs if n in set(data_inputs)), fetches)
+
+
+def _stable_order(graph_inputs: Sequence[str], nodes: Sequence[onnx.NodeProto]):
+    rank = {n: i for i, n in enumerate(graph_inputs)}
+    for node in nodes:
+        for out in node.output:
+            rank.setdefault(out, len(rank))
+    return lambda name: rank.get(name, len(rank))
+
+
+def _workspace(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
+    """Peak bytes of values born and dead inside the block, walking its nodes in order."""
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(block_nodes):
+        for name in consumed_names(node):
+            last_use[name] = i
+    live = 0
+    peak = 0
+    dying: dict[int, int] = {}
+    for i, node in enumerate(block_nodes):
+        for name in node.output:
+            if name and name not in outputs:
+                size = infos[name].nbytes if name in infos else 0
+                live += size
+                dying[max(i, last_use.get(name, i))] = dying.get(max(i, last_use.get(name, i)), 0) + size
+        peak = max(peak, live)
+        live -= dying.pop(i, 0)
+    return peak

@@ -1,0 +1,104 @@
+"""The device arena: one real buffer capped at the budget, with best-fit placement.
+
+Tensors live at offsets of a single byte buffer; :class:`graph_passes.memory.BestFitAllocator`
+decides where (the same arithmetic the analyses replay). Views of the buffer are handed to
+ONNX Runtime through IOBinding, so block inputs are read from and outputs written into the arena
+without copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graph_passes.memory import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory
+from graph_passes.shapes import TensorInfo
+
+__all__ = ["DeviceArena", "OutOfArenaMemory"]
+
+
+class DeviceArena:
+    """A budget-capped byte buffer holding named tensors."""
+
+    def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        self.alignment = alignment
+        self.allocator = BestFitAllocator(capacity, alignment=alignment)
+        self._raw = np.empty(0, dtype=np.uint8)
+        self.buffer = self._raw
+        self._infos: dict[str, TensorInfo] = {}
+        self._reserve(capacity)
+
+    # ---- capacity ------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the cap (a new program reserves a different workspace); grows the buffer,
+        keeping every tensor at its offset."""
+        if capacity < self.allocator.high_water_live():
+            raise OutOfArenaMemory("<resize>", capacity, self.allocator.in_use, capacity)
+        if capacity > self.buffer.size:
+            self._reserve(capacity)
+        self.allocator.capacity = capacity
+
+    def _reserve(self, capacity: int) -> None:
+        # Over-allocate by one alignment unit so offset 0 is aligned; np.empty does not touch
+        # the pages, so an unused budget costs address space, not RAM.
+        raw = np.empty(capacity + self.alignment, dtype=np.uint8)
+        shift = (-raw.ctypes.data) % self.alignment
+        buffer = raw[shift : shift + capacity]
+        live_end = self.allocator.high_water_live()
+        if live_end:
+            buffer[:live_end] = self.buffer[:live_end]
+        self._raw, self.buffer = raw, buffer
+
+    # ---- tensors -------------------------------------------------------------------------
+
+    def allocate(self, name: str, info: TensorInfo) -> np.ndarray:
+        self.allocator.allocate(name, info.nbytes)
+        self._infos[name] = info
+        return self.view(name)
+
+    def free(self, name: str) -> None:
+        self.allocator.free(name)
+        del self._infos[name]
+
+    def rename(self, old: str, new: str) -> None:
+        self.allocator.rename(old, new)
+        self._infos[new] = self._infos.pop(old)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def view(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array over arena memory (no copy)."""
+        info = self._infos[name]
+        offset = self.allocator.placement(name).offset
+        flat = self.buffer[offset : offset + info.nbytes].view(info.dtype)
+        return flat.reshape(info.shape)
+
+    def pointer(self, name: str) -> int:
+        return self.buffer.ctypes.data + self.allocator.placement(name).offset
+
+    def store(self, name: str, array: np.ndarray) -> None:
+        """Allocate ``name`` and copy ``array`` into it."""
+        view = self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
+        view[...] = array
+
+    @property
+    def in_use(self) -> int:
+        return self.allocator.in_use
+
+    @property
+    def high_water(self) -> int:
+        return self.allocator.high_water
+
+    def reset_high_water(self) -> None:
+        self.allocator.high_water = self.allocator.high_water_live()

@@ -1,0 +1,95 @@
+"""One execution block as an ONNX Runtime session bound to arena memory.
+
+A block is a run of consecutive nodes cut out of the step graph into a model of its own
+(the initializers it reads go with it). Its inputs and outputs are declared with element types
+only, so one session serves every input signature. Each run binds inputs and outputs by pointer
+into the arena (IOBinding), so kernels read from and write to arena buffers directly.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from graph_passes.liveness import consumed_names
+from graph_passes.program import Block
+from graph_passes.shapes import TensorInfo
+from ort_offload.errors import UnsupportedGraphError
+
+
+def block_model(model: onnx.ModelProto, block: Block, elem_types: Mapping[str, int]) -> onnx.ModelProto:
+    """A standalone model of the block's nodes."""
+    nodes = [model.graph.node[i] for i in block.node_indices]
+    needed = {n for node in nodes for n in consumed_names(node)}
+    initializers = [t for t in model.graph.initializer if t.name in needed]
+    graph = onnx.helper.make_graph(
+        nodes,
+        f"{model.graph.name}_block{block.index}",
+        [onnx.helper.make_tensor_value_info(n, elem_types[n], None) for n in block.inputs],
+        [onnx.helper.make_tensor_value_info(n, elem_types[n], None) for n in block.outputs],
+        initializer=initializers,
+    )
+    sub = onnx.helper.make_model(
+        graph, opset_imports=list(model.opset_import), ir_version=model.ir_version, functions=list(model.functions)
+    )
+    return sub
+
+
+class BlockSession:
+    """An ``InferenceSession`` over one block, run with pointer bindings into the arena."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        block: Block,
+        elem_types: Mapping[str, int],
+        *,
+        session_options: ort.SessionOptions | None = None,
+        providers: list[str] | None = None,
+    ) -> None:
+        self.block = block
+        sub = block_model(model, block, elem_types)
+        try:
+            self.session = ort.InferenceSession(
+                sub.SerializeToString(), sess_options=session_options, providers=providers or ["CPUExecutionProvider"]
+            )
+        except Exception as e:
+            raise UnsupportedGraphError(
+                f"ONNX Runtime cannot run block {block.index} ({str(e).splitlines()[0]}); "
+                "the graph uses an op this onnxruntime build has no kernel for"
+            ) from e
+        self.binding = self.session.io_binding()
+        self._bound: dict[str, tuple] = {}
+
+    def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
+        """Run the block reading inputs at and writing outputs to the given arena pointers."""
+        binding = self.binding
+        for name in self.block.inputs:
+            key = (pointers[name], infos[name].shape)
+            if self._bound.get(name) != key:
+                info = infos[name]
+                binding.bind_input(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
+                self._bound[name] = key
+        for name in self.block.outputs:
+            key = (pointers[name], infos[name].shape)
+            if self._bound.get(name) != key:
+                info = infos[name]
+                binding.bind_output(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
+                self._bound[name] = key
+        self.session.run_with_iobinding(binding)
+
+
+
+def default_session_options(*, intra_op_threads: int = 0) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = intra_op_threads
+    options.log_severity_level = 3
+    return options
+
+
+def numpy_elem_type(dtype: np.dtype) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

@@ -1,0 +1,66 @@
+"""Offload devices: where a trainer's tensors live and under which budget.
+
+``set_offload_device("cpu", budget="64MiB")`` returns an :class:`OffloadDevice`. The CPU device
+is a real, budget-capped :class:`~ort_offload.arena.DeviceArena` plus a
+:class:`~ort_offload.host_store.HostStore`; blocks run on ONNX Runtime's CPU execution provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnxruntime as ort
+
+from graph_passes.memory import DEFAULT_ALIGNMENT
+from graph_passes.program import DEFAULT_BLOCK_NODES
+from ort_offload.budget import Budget, parse_budget
+from ort_offload.errors import UnknownDeviceError
+
+SUPPORTED_DEVICES = ("cpu",)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadDevice:
+    """A device kind plus the budget and runtime knobs every trainer on it uses.
+
+    ``budget=None`` means unlimited. ``max_block_nodes`` bounds how many nodes one execution
+    block (one ONNX Runtime session) holds: smaller blocks mean smaller workspaces and more
+    per-block calls (a few µs each).
+    """
+
+    kind: str = "cpu"
+    budget: Budget | None = None
+    max_block_nodes: int = DEFAULT_BLOCK_NODES
+    alignment: int = DEFAULT_ALIGNMENT
+    intra_op_threads: int = 0
+
+    @property
+    def providers(self) -> list[str]:
+        return ["CPUExecutionProvider"]
+
+    def describe(self) -> str:
+        return f"{self.kind} (budget {self.budget if self.budget is not None else 'unlimited'})"
+
+
+def set_offload_device(
+    kind: str = "cpu",
+    *,
+    budget: str | int | Budget | None = None,
+    max_block_nodes: int = DEFAULT_BLOCK_NODES,
+    intra_op_threads: int = 0,
+) -> OffloadDevice:
+    """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
+    name = str(kind).strip().lower()
+    if name.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise UnknownDeviceError(
+                f"device {kind!r} needs onnxruntime-gpu with CUDA, which this installation lacks; use 'cpu'"
+            )
+        raise UnknownDeviceError(f"device {kind!r}: the CUDA device is not implemented yet; use 'cpu'")
+    if name not in SUPPORTED_DEVICES:
+        raise UnknownDeviceError(f"unknown device {kind!r}: use one of {', '.join(SUPPORTED_DEVICES)}")
+    if max_block_nodes < 1:
+        raise ValueError("max_block_nodes must be at least 1")
+    return OffloadDevice(
+        kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads
+    )

@@ -1,0 +1,38 @@
+"""Host memory for tensors that are not on the device: uploads, downloads, checkpoints.
+
+On the CPU device this is ordinary RAM; on CUDA it will be pinned memory. Swap passes park
+evicted tensors here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class HostStore:
+    """Named host copies of tensors."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        self._tensors[name] = np.array(array, copy=True, order="C")
+
+    def get(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def pop(self, name: str) -> np.ndarray:
+        return self._tensors.pop(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def clear(self) -> None:
+        self._tensors.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._tensors.values())

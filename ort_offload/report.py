@@ -1,0 +1,120 @@
+"""The run report: one set of keys for ``OrtTrainer.report()`` and every CLI ``--json``,
+its rendering as a table, and the device-memory timeline plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ort_offload.budget import format_bytes
+
+REPORT_KEYS = (
+    "model",
+    "device",
+    "budget_bytes",
+    "baseline_peak_bytes",
+    "peak_device_bytes",
+    "within_budget",
+    "steps",
+    "losses",
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "recomputed_nodes",
+    "split_nodes",
+    "faults",
+    "prefetch_hits",
+    "step_time_s_median",
+    "plan_time_s",
+    "passes",
+)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    return atomic_write_text(path, json.dumps(dict(report), indent=2, default=float) + "\n")
+
+
+def render_table(report: Mapping[str, Any], extra: Mapping[str, Any] | None = None):
+    """A rich Table of the report (bytes human-readable, losses summarised)."""
+    from rich.table import Table
+
+    table = Table(title=f"ort_offload report: {report['model']}", show_header=True)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    rows = dict(report)
+    rows.update(extra or {})
+    for key, value in rows.items():
+        table.add_row(key, _format_value(key, value))
+    return table
+
+
+def _format_value(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("_bytes") and isinstance(value, (int, float)):
+        return f"{format_bytes(value)} ({int(value)})"
+    if key == "losses" and isinstance(value, Sequence) and value:
+        shown = ", ".join(f"{v:.6g}" for v in value[:3])
+        if len(value) > 3:
+            shown += f", ..., {value[-1]:.6g}"
+        return f"[{shown}] ({len(value)})"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def plot_timeline(
+    path: str | os.PathLike,
+    *,
+    baseline,
+    planned=None,
+    budget_bytes: int | None,
+    title: str,
+) -> Path:
+    """PNG of device bytes over one step: baseline and planned timelines and the budget line.
+
+    ``baseline``/``planned`` are :class:`graph_passes.memory.MemoryTrace` objects; each point is
+    arena bytes in use plus the workspace of the block running then.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for trace, label, style in ((baseline, "unplanned", "-"), (planned, "planned", "--")):
+        if trace is None:
+            continue
+        ys = [(p.in_use + p.workspace) / 2**20 for p in trace.timeline]
+        ax.step(range(len(ys)), ys, style, where="post", label=f"{label} (peak {format_bytes(trace.peak_device_bytes)})")
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / 2**20, color="red", linewidth=1, label=f"budget {format_bytes(budget_bytes)}")
+    ax.set_xlabel("program step (load / block / commit)")
+    ax.set_ylabel("device MiB")
+    ax.set_title(title)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path

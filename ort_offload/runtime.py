@@ -1,0 +1,232 @@
+"""The execution provider: runs lowered training-step programs under the device budget.
+
+:class:`Runtime` owns one device's arena, host store and statistics; :class:`GraphRunner`
+runs one graph on it: per input signature it infers shapes, lowers the graph into blocks and
+steps (:mod:`graph_passes.program`), replays the program through the arena's allocator
+(:mod:`graph_passes.memory`) to check the budget before anything runs, then executes the steps
+with one ONNX Runtime session per block bound into arena memory. Later issues add steps (swap,
+prefetch) and allocation policies to this loop rather than rewriting it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from graph_passes import shapes
+from graph_passes.memory import MemoryTrace, simulate_program
+from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, lower
+from graph_passes.shapes import TensorInfo
+from graph_passes.training_graph import TrainingGraph
+from ort_offload.arena import DeviceArena, OutOfArenaMemory
+from ort_offload.block_session import BlockSession, default_session_options
+from ort_offload.budget import format_bytes
+from ort_offload.device import OffloadDevice
+from ort_offload.errors import BudgetTooSmallError, OffloadError
+from ort_offload.host_store import HostStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RuntimeStats:
+    """What the runtime measured; feeds the report."""
+
+    peak_device_bytes: int = 0
+    plan_time_s: float = 0.0
+    blocks_run: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """A graph lowered and checked for one input signature."""
+
+    signature: tuple
+    infos: Mapping[str, TensorInfo]
+    program: Program
+    trace: MemoryTrace
+
+
+class Runtime:
+    """One device's memory (arena + host store) shared by every graph that runs on it."""
+
+    def __init__(self, device: OffloadDevice) -> None:
+        self.device = device
+        self.host = HostStore()
+        self.arena: DeviceArena | None = None
+        self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
+        self.stats = RuntimeStats()
+        self.session_options = default_session_options(intra_op_threads=device.intra_op_threads)
+
+    def resolve_budget(self, baseline_peak_bytes: int) -> int | None:
+        """Bytes of the budget; a fraction resolves against the first unplanned peak seen."""
+        if self.budget_bytes is None and self.device.budget is not None:
+            self.budget_bytes = self.device.budget.resolve(baseline_peak_bytes)
+        return self.budget_bytes
+
+    def place_state(self, state: Mapping[str, np.ndarray], order: Sequence[str], capacity: int) -> None:
+        """Put the trainer's state into a fresh arena, packed in ``order``."""
+        self.arena = DeviceArena(capacity, alignment=self.device.alignment)
+        for name in order:
+            self.arena.store(name, state[name])
+
+    def read(self, name: str) -> np.ndarray:
+        """A host copy of a resident tensor."""
+        return self.arena.view(name).copy()
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        """Overwrite a resident tensor in place (same dtype and shape)."""
+        view = self.arena.view(name)
+        if view.shape != array.shape or view.dtype != array.dtype:
+            raise ValueError(f"{name}: expected {view.dtype}{list(view.shape)}, got {array.dtype}{list(array.shape)}")
+        view[...] = array
+
+
+class GraphRunner:
+    """Runs one training-step (or forward) graph on a :class:`Runtime`."""
+
+    def __init__(self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None) -> None:
+        self.runtime = runtime
+        self.graph = graph
+        self.fetches = fetches
+        self._prepared: dict[tuple, PreparedStep] = {}
+        self._sessions: dict[tuple[int, ...], BlockSession] = {}
+        self.baseline_peak_bytes: int | None = None
+        self.last_trace: MemoryTrace | None = None
+        self.step_times_s: list[float] = []
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        return self.graph.model
+
+    # ---- planning --------------------------------------------------------------------------
+
+    def prepare(self, input_infos: Mapping[str, TensorInfo], *, probe_feeds=None) -> PreparedStep:
+        """Lower and check the graph for these input shapes (cached per signature)."""
+        signature = tuple(sorted((n, i.dtype.str, i.shape) for n, i in input_infos.items()))
+        prepared = self._prepared.get(signature)
+        arena = self.runtime.arena
+        if prepared is not None and (arena is None or arena.allocator.layout() in prepared.trace.layouts):
+            return prepared
+        start = time.perf_counter()
+        if prepared is None:
+            infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
+            program = lower(
+                self.model,
+                infos,
+                state_pairs=self.graph.state_pairs,
+                data_inputs=self.graph.data_inputs,
+                fetches=self.fetches,
+                max_block_nodes=self.runtime.device.max_block_nodes,
+            )
+        else:
+            infos, program = prepared.infos, prepared.program
+        baseline = simulate_program(program, infos, alignment=self.runtime.device.alignment)
+        trace = baseline if arena is None else simulate_program(program, infos, start=arena.allocator)
+        self.baseline_peak_bytes = baseline.peak_device_bytes
+        budget = self.runtime.resolve_budget(baseline.peak_device_bytes)
+        if budget is not None and trace.peak_device_bytes > budget:
+            raise BudgetTooSmallError(
+                f"budget {format_bytes(budget)} is below the {format_bytes(trace.peak_device_bytes)} "
+                f"({trace.peak_device_bytes} bytes) this graph needs unplanned; raise --budget to at least that",
+                needed_bytes=trace.peak_device_bytes,
+                budget_bytes=budget,
+            )
+        prepared = PreparedStep(signature, infos, program, trace)
+        self._prepared[signature] = prepared
+        self.last_trace = trace
+        self.runtime.stats.plan_time_s += time.perf_counter() - start
+        logger.info(
+            "prepared %s: %d blocks, unplanned peak %s, simulated peak %s",
+            self.graph.name, len(program.blocks), format_bytes(baseline.peak_device_bytes),
+            format_bytes(trace.peak_device_bytes),
+        )
+        return prepared
+
+    def capacity_for(self, prepared: PreparedStep) -> int:
+        """Arena bytes for this program: the budget less the largest block workspace."""
+        budget = self.runtime.budget_bytes
+        if budget is None:
+            return max(prepared.trace.arena_high_water, 1)
+        return budget - prepared.program.max_workspace_bytes
+
+    # ---- execution -------------------------------------------------------------------------
+
+    def session(self, prepared: PreparedStep, block_index: int) -> BlockSession:
+        block = prepared.program.blocks[block_index]
+        session = self._sessions.get(block.node_indices)
+        if session is None:
+            elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
+            session = BlockSession(
+                self.model, block, elem_types,
+                session_options=self.runtime.session_options, providers=self.runtime.device.providers,
+            )
+            self._sessions[block.node_indices] = session
+        return session
+
+    def run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
+        """Execute one step with batch tensors ``feeds``; returns the fetched outputs."""
+        runtime = self.runtime
+        arena = runtime.arena
+        arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
+        infos = prepared.infos
+        program = prepared.program
+        started = time.perf_counter()
+        fetched: dict[str, np.ndarray] = {}
+        max_workspace = 0
+        try:
+            for step in program.steps:
+                if isinstance(step, RunBlock):
+                    for name in step.allocates:
+                        arena.allocate(name, infos[name])
+                    session = self.session(prepared, step.block)
+                    max_workspace = max(max_workspace, program.blocks[step.block].workspace_bytes)
+                    pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
+                    session.run(pointers, infos)
+                    for name in step.frees:
+                        arena.free(name)
+                elif isinstance(step, Load):
+                    view = arena.allocate(step.name, infos[step.name])
+                    view[...] = feeds[step.name]
+                elif isinstance(step, Fetch):
+                    fetched[step.name] = arena.view(step.name).copy()
+                    if step.free:
+                        arena.free(step.name)
+                elif isinstance(step, Commit):
+                    for updated, state in step.renames:
+                        if state in arena:
+                            arena.free(state)
+                        arena.rename(updated, state)
+        except OutOfArenaMemory as e:
+            self._abort(program)
+            raise BudgetTooSmallError(
+                f"arena full while running {self.graph.name}: {e}; raise the budget",
+                needed_bytes=arena.in_use + e.nbytes, budget_bytes=runtime.budget_bytes or 0,
+            ) from e
+        except Exception:
+            self._abort(program)
+            raise
+        runtime.stats.blocks_run += len(program.blocks)
+        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, arena.high_water + max_workspace)
+        self.step_times_s.append(time.perf_counter() - started)
+        return fetched
+
+    def _abort(self, program: Program) -> None:
+        """Free a failed step's temporaries; fail loudly if state was already consumed."""
+        arena = self.runtime.arena
+        state = set(program.state_inputs)
+        for name in arena.names():
+            if name not in state:
+                arena.free(name)
+        lost = [n for n in program.state_inputs if n not in arena]
+        if lost:
+            raise OffloadError(
+                f"the step failed after it had consumed state ({', '.join(lost[:3])}...); "
+                "reload the trainer from its last checkpoint"
+            )
+

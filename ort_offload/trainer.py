@@ -1,0 +1,322 @@
+"""The trainer users hold: ``create_ort_trainer(device, model, ...)`` → :class:`OrtTrainer`.
+
+It exports the model's training step once (cached), places parameters, optimizer state and
+buffers in the device's arena, checks the budget before the first step, and runs steps through
+the runtime. State never leaves the runtime except through ``state_dict()``, ``save()`` and
+``copy_to()``; checkpoints are written atomically and validated before anything is changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from graph_passes.shapes import check_inputs
+from graph_passes.training_graph import Role, TrainingGraph
+from ort_offload import optimizers
+from ort_offload.device import OffloadDevice
+from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError
+from ort_offload.export import export_forward, export_training_step, initial_state
+from ort_offload.report import REPORT_KEYS
+from ort_offload.runtime import GraphRunner, Runtime
+
+logger = logging.getLogger(__name__)
+
+AVAILABLE_PASSES: tuple[str, ...] = ()  # graph passes arrive with the swap/recompute/split issues
+PASS_CHOICES = ("auto", "none")
+CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
+
+
+def resolve_passes(passes: str | Sequence[str]) -> list[str]:
+    """The passes to apply: "auto" (whatever the budget needs), "none", or explicit names."""
+    if isinstance(passes, str):
+        if passes in PASS_CHOICES:
+            return []  # no pass exists yet; "auto" plans nothing and the budget check decides
+        passes = [p.strip() for p in passes.split(",") if p.strip()]
+    unknown = [p for p in passes if p not in AVAILABLE_PASSES]
+    if unknown:
+        choices = ", ".join(PASS_CHOICES + AVAILABLE_PASSES)
+        raise OffloadError(f"unknown pass {unknown[0]!r}: choose from {choices}")
+    return list(passes)
+
+
+def _to_numpy(value) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().contiguous().numpy()
+    return np.ascontiguousarray(value)
+
+
+class OrtTrainer:
+    """Trains one model on an :class:`OffloadDevice` under its budget."""
+
+    def __init__(
+        self,
+        device: OffloadDevice,
+        model: torch.nn.Module,
+        graph: TrainingGraph,
+        *,
+        optimizer: optimizers.OptimizerConfig,
+        example_inputs: Sequence[torch.Tensor],
+        example_targets: Sequence[torch.Tensor],
+        input_names: Sequence[str],
+        target_names: Sequence[str],
+        dynamic_axes: Mapping[str, Mapping[int, str]],
+        passes: list[str],
+        name: str,
+        cache_dir: str | os.PathLike | None,
+    ) -> None:
+        self.device = device
+        self.model = model
+        self.graph = graph
+        self.optimizer = optimizer
+        self.name = name
+        self.passes = passes
+        self.input_names = list(input_names)
+        self.target_names = list(target_names)
+        self.dynamic_axes = dict(dynamic_axes)
+        self._example_inputs = tuple(example_inputs)
+        self._cache_dir = cache_dir
+        self.losses: list[float] = []
+        self.runtime = Runtime(device)
+        self.runner = GraphRunner(self.runtime, graph, fetches=[graph.loss_name])
+        self._eval_runner: GraphRunner | None = None
+        self._step_count = 0
+
+        state = initial_state(graph, model, lr=optimizer.lr, step=1)
+        batch = {n: _to_numpy(t) for n, t in zip(self.batch_names, tuple(example_inputs) + tuple(example_targets))}
+        prepared = self.runner.prepare(check_inputs(graph.model, {**state, **batch}))
+        self.runtime.place_state(state, prepared.program.state_inputs, self.runner.capacity_for(prepared))
+
+    # ---- properties -------------------------------------------------------------------------
+
+    @property
+    def batch_names(self) -> list[str]:
+        return self.input_names + self.target_names
+
+    @property
+    def lr(self) -> float:
+        return float(self.runtime.read(optimizers.LR_INPUT))
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.runtime.write(optimizers.LR_INPUT, np.array(value, dtype=np.float32))
+
+    @property
+    def steps_done(self) -> int:
+        return self._step_count
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def _feeds(self, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+        if len(batch) != len(names):
+            raise InputMismatchError(f"step takes {len(names)} tensors ({', '.join(names)}), got {len(batch)}")
+        return {n: _to_numpy(t) for n, t in zip(names, batch)}
+
+    def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
+        """Check the batch against the graph (state as resident) and get the step's program."""
+        arena = self.runtime.arena
+        resident = {n: _Shaped(arena.info(n)) for n in runner.graph.state_inputs}
+        return runner.prepare(check_inputs(runner.graph.model, {**resident, **feeds}))
+
+    def step(self, *batch) -> float:
+        """One training step on ``batch`` (model inputs, then targets); returns the loss."""
+        feeds = self._feeds(batch, self.batch_names)
+        prepared = self._prepare(self.runner, feeds)
+        if optimizers.STEP_INPUT in self.runtime.arena:
+            self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
+        outputs = self.runner.run(feeds, prepared)
+        self._step_count += 1
+        loss = float(outputs[self.graph.loss_name])
+        self.losses.append(loss)
+        return loss
+
+    def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
+        """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
+        if self._eval_runner is None:
+            result = export_forward(
+                self.model, example_inputs=self._example_inputs, input_names=self.input_names,
+                dynamic_axes=self.dynamic_axes, name=self.name, cache_dir=self._cache_dir,
+            )
+            self._eval_runner = GraphRunner(self.runtime, result.graph)
+        feeds = self._feeds(inputs, self.input_names)
+        runner = self._eval_runner
+        prepared = self._prepare(runner, feeds)
+        outputs = runner.run(feeds, prepared)
+        values = [outputs[n] for n in runner.graph.output_names]
+        return values[0] if len(values) == 1 else tuple(values)
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of every persistent tensor: parameters, buffers, optimizer state."""
+        return {n: self.runtime.read(n) for n in self.graph.state_inputs}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the trainer's state; checks every name, dtype and shape before writing any."""
+        arrays = {n: _to_numpy(v) for n, v in state.items()}
+        expected = set(self.graph.state_inputs)
+        missing = sorted(expected - set(arrays))
+        unexpected = sorted(set(arrays) - expected)
+        if missing or unexpected:
+            raise CheckpointError(
+                "state does not match this trainer: "
+                + (f"missing {', '.join(missing[:3])}" if missing else "")
+                + ("; " if missing and unexpected else "")
+                + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
+            )
+        for name in self.graph.state_inputs:
+            info = self.runtime.arena.info(name)
+            array = arrays[name]
+            if array.dtype != info.dtype or tuple(array.shape) != info.shape:
+                raise CheckpointError(
+                    f"{name}: checkpoint has {array.dtype}{list(array.shape)}, trainer has {info}"
+                )
+        for name in self.graph.state_inputs:
+            self.runtime.write(name, arrays[name])
+        self._step_count = int(round(float(arrays.get(optimizers.STEP_INPUT, self._step_count))))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint atomically (a temporary file renamed into place)."""
+        path = Path(path)
+        state = self.state_dict()
+        meta = {"format": CHECKPOINT_FORMAT, "model": self.name, "steps": self._step_count, "losses": self.losses}
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, __meta__=np.array(json.dumps(meta)), **{f"state/{k}": v for k, v in state.items()})
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["__meta__"]))
+                state = {k[len("state/") :]: data[k] for k in data.files if k.startswith("state/")}
+        except FileNotFoundError as e:
+            raise CheckpointError(f"no checkpoint at {path}") from e
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} is not an ort_offload checkpoint ({type(e).__name__})") from e
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        self.load_state_dict(state)
+        self._step_count = int(meta.get("steps", self._step_count))
+        self.losses = list(meta.get("losses", []))
+
+    def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
+        module = self.model if module is None else module
+        own = module.state_dict()
+        with torch.no_grad():
+            for name in self.graph.state_inputs:
+                if name in own:
+                    own[name].copy_(torch.from_numpy(self.runtime.read(name)))
+        return module
+
+    # ---- report ------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The run report (keys: :data:`ort_offload.report.REPORT_KEYS`)."""
+        stats = self.runtime.stats
+        train_times = self.runner.step_times_s
+        budget = self.runtime.budget_bytes
+        peak = stats.peak_device_bytes if train_times else None
+        report = {
+            "model": self.name,
+            "device": self.device.kind,
+            "budget_bytes": budget,
+            "baseline_peak_bytes": self.runner.baseline_peak_bytes,
+            "peak_device_bytes": peak,
+            "within_budget": None if peak is None else (budget is None or peak <= budget),
+            "steps": self._step_count,
+            "losses": list(self.losses),
+            "swap_out_bytes": 0,
+            "swap_in_bytes": 0,
+            "recomputed_nodes": 0,
+            "split_nodes": 0,
+            "faults": 0,
+            "prefetch_hits": 0,
+            "step_time_s_median": statistics.median(train_times) if train_times else None,
+            "plan_time_s": stats.plan_time_s,
+            "passes": list(self.passes),
+        }
+        assert tuple(report) == REPORT_KEYS
+        return report
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+    """Stands in for a resident tensor in input checks (dtype and shape only)."""
+
+    info: Any
+
+    @property
+    def dtype(self):
+        return self.info.dtype
+
+    @property
+    def shape(self):
+        return self.info.shape
+
+
+def create_ort_trainer(
+    device: OffloadDevice,
+    model: torch.nn.Module,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: Sequence[torch.Tensor] = (),
+    loss_fn: Callable | None = None,
+    optimizer: str | optimizers.OptimizerConfig = "adamw",
+    lr: float | None = None,
+    input_names: Sequence[str] | None = None,
+    target_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    passes: str | Sequence[str] = "auto",
+    name: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    **optimizer_options,
+) -> OrtTrainer:
+    """A trainer for ``model`` on ``device``.
+
+    ``example_inputs`` are the model's inputs and ``example_targets`` the extra arguments of
+    ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward must return the
+    loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
+    ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
+    Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
+    """
+    if not isinstance(device, OffloadDevice):
+        raise TypeError("device must come from ort_offload.set_offload_device(...)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    pass_list = resolve_passes(passes)
+    config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
+    example_inputs = tuple(example_inputs)
+    example_targets = tuple(example_targets)
+    input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
+    target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
+    name = name or type(model).__name__.lower()
+    result = export_training_step(
+        model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
+        optimizer=config, input_names=input_names, target_names=target_names,
+        dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
+    )
+    logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
+    return OrtTrainer(
+        device, model, result.graph, optimizer=config, example_inputs=example_inputs,
+        example_targets=example_targets, input_names=input_names, target_names=target_names,
+        dynamic_axes=dynamic_axes or {}, passes=pass_list, name=name, cache_dir=cache_dir,
+    )
