@@ -111,6 +111,20 @@ class BestFitAllocator:
         """End of the highest tensor live now."""
         return max((p.offset + p.nbytes for p in self._placements.values()), default=0)
 
+    def compact(self) -> list[tuple[str, int, int]]:
+        """Slide every live tensor down to close all holes; returns (name, old, new) offsets in
+        ascending order, which is a safe order to move the bytes in."""
+        moves = []
+        cursor = 0
+        for name, placement in sorted(self._placements.items(), key=lambda item: item[1].offset):
+            if placement.offset != cursor:
+                moves.append((name, placement.offset, cursor))
+                self._placements[name] = Placement(cursor, placement.nbytes)
+            cursor += placement.nbytes
+        self._free = []
+        self._top = cursor
+        return moves
+
     def layout(self) -> tuple[tuple[str, int, int], ...]:
         """Where every live tensor is; with the canonical free list this is the whole state."""
         return tuple(sorted((n, p.offset, p.nbytes) for n, p in self._placements.items()))
@@ -152,53 +166,45 @@ class MemoryPoint:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTrace:
-    arena_high_water: int
+    arena_high_water: int  # highest arena address used (fragmentation included)
+    peak_in_use: int  # most arena bytes live at once (independent of placement)
     max_workspace: int
     timeline: tuple[MemoryPoint, ...]  # the last simulated step
-    layouts: frozenset = frozenset()  # arena layouts seen between steps (the steady-state cycle)
-    steady: bool = True  # a layout repeated within the simulated steps
 
     @property
     def peak_device_bytes(self) -> int:
         """Arena high-water plus the largest block workspace (DESIGN.md, peak accounting)."""
         return self.arena_high_water + self.max_workspace
 
+    @property
+    def min_budget_bytes(self) -> int:
+        """The smallest budget this program runs in: live bytes at their peak plus the largest
+        workspace. The arena compacts when fragmentation alone blocks an allocation, so
+        placement never raises the requirement above this."""
+        return self.peak_in_use + self.max_workspace
+
 
 def simulate_program(
     program,
     infos,
     *,
-    start: BestFitAllocator | None = None,
-    max_steps: int = 8,
+    steps: int = 2,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> MemoryTrace:
-    """Replay ``program`` (a :class:`graph_passes.program.Program`) through the arena's allocator.
+    """Replay ``program`` (a :class:`graph_passes.program.Program`) for ``steps`` steps through
+    the arena's allocator, the state placed first in input order as the runtime places it.
 
-    ``start`` is the arena as it is (copied, not changed); without it the state inputs are
-    placed in input order, as the runtime does when it places state. Steps are replayed until
-    the layout between steps repeats, so the peak covers the steady state; ``steady`` says
-    whether that happened within ``max_steps``.
+    Several steps, because updated state lands wherever the allocator puts it and the next
+    step starts from that layout.
     """
-    if start is not None:
-        allocator = start.clone()
-    else:
-        allocator = BestFitAllocator(alignment=alignment)
-        for name in program.state_inputs:
-            allocator.allocate(name, infos[name].nbytes)
-    layouts = [allocator.layout()]
+    allocator = BestFitAllocator(alignment=alignment)
+    for name in program.state_inputs:
+        allocator.allocate(name, infos[name].nbytes)
     timeline: list[MemoryPoint] = []
-    steady = False
-    for _ in range(max_steps):
+    for _ in range(steps):
         timeline = []
         _replay_one_step(allocator, program, infos, timeline)
-        layout = allocator.layout()
-        if layout in layouts:
-            steady = True
-            break
-        layouts.append(layout)
-    return MemoryTrace(
-        allocator.high_water, program.max_workspace_bytes, tuple(timeline), frozenset(layouts), steady
-    )
+    return MemoryTrace(allocator.high_water, allocator.peak_in_use, program.max_workspace_bytes, tuple(timeline))
 
 
 def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list[MemoryPoint]) -> None:

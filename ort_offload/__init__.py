@@ -38,15 +38,25 @@ __all__ = [
     "parse_budget",
 ]
 
-from ort_offload.device import OffloadDevice, set_offload_device  # noqa: E402
-from ort_offload.export import export_forward, export_training_step  # noqa: E402
-from ort_offload.trainer import OrtTrainer, create_ort_trainer  # noqa: E402
+# The trainer, device and exporter load lazily: graph_passes imports ort_offload.errors, and
+# importing the package must not pull the runtime (and torch) back in.
+_LAZY = {
+    "OffloadDevice": "ort_offload.device",
+    "set_offload_device": "ort_offload.device",
+    "export_forward": "ort_offload.export",
+    "export_training_step": "ort_offload.export",
+    "OrtTrainer": "ort_offload.trainer",
+    "create_ort_trainer": "ort_offload.trainer",
+}
+__all__ += sorted(_LAZY)
 
-__all__ += [
-    "OffloadDevice",
-    "OrtTrainer",
-    "create_ort_trainer",
-    "export_forward",
-    "export_training_step",
-    "set_offload_device",
-]
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ort_offload' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graph_passes.memory import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory
+from graph_passes.memory import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.shapes import TensorInfo
 
 __all__ = ["DeviceArena", "OutOfArenaMemory"]
@@ -19,12 +19,14 @@ __all__ = ["DeviceArena", "OutOfArenaMemory"]
 class DeviceArena:
     """A budget-capped byte buffer holding named tensors."""
 
-    def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT) -> None:
+    def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, growable: bool = False) -> None:
         self.alignment = alignment
+        self.growable = growable
         self.allocator = BestFitAllocator(capacity, alignment=alignment)
         self._raw = np.empty(0, dtype=np.uint8)
         self.buffer = self._raw
         self._infos: dict[str, TensorInfo] = {}
+        self.compactions = 0
         self._reserve(capacity)
 
     # ---- capacity ------------------------------------------------------------------------
@@ -56,9 +58,27 @@ class DeviceArena:
     # ---- tensors -------------------------------------------------------------------------
 
     def allocate(self, name: str, info: TensorInfo) -> np.ndarray:
-        self.allocator.allocate(name, info.nbytes)
+        try:
+            self.allocator.allocate(name, info.nbytes)
+        except OutOfArenaMemory:
+            size = align_up(info.nbytes, self.alignment)
+            if self.growable:
+                self.set_capacity(max(self.capacity + self.capacity // 4, self.allocator.high_water_live() + size))
+            elif self.allocator.in_use + size <= self.capacity:
+                self.compact()  # enough bytes are free, only not in one piece
+            else:
+                raise
+            self.allocator.allocate(name, info.nbytes)
         self._infos[name] = info
         return self.view(name)
+
+    def compact(self) -> None:
+        """Close the holes by moving tensors down (in ascending order, so no move clobbers a
+        tensor not yet moved). Pointers change; block sessions rebind on the next run."""
+        for name, old, new in self.allocator.compact():
+            nbytes = self.allocator.placement(name).nbytes
+            self.buffer[new : new + nbytes] = self.buffer[old : old + nbytes]
+        self.compactions += 1
 
     def free(self, name: str) -> None:
         self.allocator.free(name)

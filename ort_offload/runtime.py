@@ -71,7 +71,8 @@ class Runtime:
 
     def place_state(self, state: Mapping[str, np.ndarray], order: Sequence[str], capacity: int) -> None:
         """Put the trainer's state into a fresh arena, packed in ``order``."""
-        self.arena = DeviceArena(capacity, alignment=self.device.alignment)
+        # Without a budget the arena grows when it must; with one it compacts instead.
+        self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None)
         for name in order:
             self.arena.store(name, state[name])
 
@@ -110,31 +111,27 @@ class GraphRunner:
         """Lower and check the graph for these input shapes (cached per signature)."""
         signature = tuple(sorted((n, i.dtype.str, i.shape) for n, i in input_infos.items()))
         prepared = self._prepared.get(signature)
-        arena = self.runtime.arena
-        if prepared is not None and (arena is None or arena.allocator.layout() in prepared.trace.layouts):
+        if prepared is not None:
             return prepared
         start = time.perf_counter()
-        if prepared is None:
-            infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
-            program = lower(
-                self.model,
-                infos,
-                state_pairs=self.graph.state_pairs,
-                data_inputs=self.graph.data_inputs,
-                fetches=self.fetches,
-                max_block_nodes=self.runtime.device.max_block_nodes,
-            )
-        else:
-            infos, program = prepared.infos, prepared.program
-        baseline = simulate_program(program, infos, alignment=self.runtime.device.alignment)
-        trace = baseline if arena is None else simulate_program(program, infos, start=arena.allocator)
-        self.baseline_peak_bytes = baseline.peak_device_bytes
-        budget = self.runtime.resolve_budget(baseline.peak_device_bytes)
-        if budget is not None and trace.peak_device_bytes > budget:
+        infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
+        program = lower(
+            self.model,
+            infos,
+            state_pairs=self.graph.state_pairs,
+            data_inputs=self.graph.data_inputs,
+            fetches=self.fetches,
+            max_block_nodes=self.runtime.device.max_block_nodes,
+        )
+        trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
+        self.baseline_peak_bytes = trace.peak_device_bytes
+        budget = self.runtime.resolve_budget(trace.peak_device_bytes)
+        if budget is not None and trace.min_budget_bytes > budget:
             raise BudgetTooSmallError(
-                f"budget {format_bytes(budget)} is below the {format_bytes(trace.peak_device_bytes)} "
-                f"({trace.peak_device_bytes} bytes) this graph needs unplanned; raise --budget to at least that",
-                needed_bytes=trace.peak_device_bytes,
+                f"budget {format_bytes(budget)} is below the {format_bytes(trace.min_budget_bytes)} "
+                f"({trace.min_budget_bytes} bytes) {self.graph.name} needs without offload passes; "
+                "raise the budget to at least that",
+                needed_bytes=trace.min_budget_bytes,
                 budget_bytes=budget,
             )
         prepared = PreparedStep(signature, infos, program, trace)
@@ -142,9 +139,9 @@ class GraphRunner:
         self.last_trace = trace
         self.runtime.stats.plan_time_s += time.perf_counter() - start
         logger.info(
-            "prepared %s: %d blocks, unplanned peak %s, simulated peak %s",
-            self.graph.name, len(program.blocks), format_bytes(baseline.peak_device_bytes),
-            format_bytes(trace.peak_device_bytes),
+            "prepared %s: %d blocks, unplanned peak %s, minimum budget %s",
+            self.graph.name, len(program.blocks), format_bytes(trace.peak_device_bytes),
+            format_bytes(trace.min_budget_bytes),
         )
         return prepared
 
@@ -152,7 +149,7 @@ class GraphRunner:
         """Arena bytes for this program: the budget less the largest block workspace."""
         budget = self.runtime.budget_bytes
         if budget is None:
-            return max(prepared.trace.arena_high_water, 1)
+            return max(prepared.trace.arena_high_water, self.runtime.arena.high_water if self.runtime.arena else 0, 1)
         return budget - prepared.program.max_workspace_bytes
 
     # ---- execution -------------------------------------------------------------------------
