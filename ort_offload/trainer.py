@@ -61,40 +61,39 @@ class OrtTrainer:
     def __init__(
         self,
         device: OffloadDevice,
-        model: torch.nn.Module,
         graph: TrainingGraph,
         *,
-        optimizer: optimizers.OptimizerConfig,
-        example_inputs: Sequence[torch.Tensor],
-        example_targets: Sequence[torch.Tensor],
+        initial_state: Mapping[str, np.ndarray],
+        example_batch: Mapping[str, np.ndarray],
         input_names: Sequence[str],
         target_names: Sequence[str],
-        dynamic_axes: Mapping[str, Mapping[int, str]],
-        passes: list[str],
-        name: str,
-        cache_dir: str | os.PathLike | None,
+        passes: Sequence[str] = (),
+        model: torch.nn.Module | None = None,
+        dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
+        """Place ``initial_state`` on the device and check the budget for ``example_batch``.
+
+        Use :func:`create_ort_trainer` for a torch model; this constructor also serves graphs
+        that come as ONNX files (no ``model``: ``eval()`` and ``copy_to()`` are unavailable).
+        """
         self.device = device
-        self.model = model
         self.graph = graph
-        self.optimizer = optimizer
-        self.name = name
-        self.passes = passes
+        self.model = model
+        self.name = graph.name
+        self.passes = list(passes)
         self.input_names = list(input_names)
         self.target_names = list(target_names)
-        self.dynamic_axes = dict(dynamic_axes)
-        self._example_inputs = tuple(example_inputs)
+        self.dynamic_axes = dict(dynamic_axes or {})
+        self._example_inputs = tuple(example_batch[n] for n in self.input_names)
         self._cache_dir = cache_dir
         self.losses: list[float] = []
         self.runtime = Runtime(device)
-        self.runner = GraphRunner(self.runtime, graph, fetches=[graph.loss_name])
+        self.runner = GraphRunner(self.runtime, graph, fetches=[graph.loss_name] if graph.loss_name else None)
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
-
-        state = initial_state(graph, model, lr=optimizer.lr, step=1)
-        batch = {n: _to_numpy(t) for n, t in zip(self.batch_names, tuple(example_inputs) + tuple(example_targets))}
-        prepared = self.runner.prepare(check_inputs(graph.model, {**state, **batch}))
-        self.runtime.place_state(state, prepared.program.state_inputs, self.runner.capacity_for(prepared))
+        prepared = self.runner.prepare(check_inputs(graph.model, {**initial_state, **example_batch}))
+        self.runtime.place_state(initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared))
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -135,15 +134,19 @@ class OrtTrainer:
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
         outputs = self.runner.run(feeds, prepared)
         self._step_count += 1
+        if self.graph.loss_name is None:
+            return float("nan")
         loss = float(outputs[self.graph.loss_name])
         self.losses.append(loss)
         return loss
 
     def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
         """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
+        if self.model is None:
+            raise OffloadError("eval() needs the torch model; this trainer was built from an ONNX graph")
         if self._eval_runner is None:
             result = export_forward(
-                self.model, example_inputs=self._example_inputs, input_names=self.input_names,
+                self.model, example_inputs=[torch.from_numpy(a) for a in self._example_inputs], input_names=self.input_names,
                 dynamic_axes=self.dynamic_axes, name=self.name, cache_dir=self._cache_dir,
             )
             self._eval_runner = GraphRunner(self.runtime, result.graph)
@@ -220,6 +223,8 @@ class OrtTrainer:
     def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
         module = self.model if module is None else module
+        if module is None:
+            raise OffloadError("copy_to() needs a torch module to copy into")
         own = module.state_dict()
         with torch.no_grad():
             for name in self.graph.state_inputs:
@@ -315,8 +320,16 @@ def create_ort_trainer(
         dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
     )
     logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
+    batch = {n: _to_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
     return OrtTrainer(
-        device, model, result.graph, optimizer=config, example_inputs=example_inputs,
-        example_targets=example_targets, input_names=input_names, target_names=target_names,
-        dynamic_axes=dynamic_axes or {}, passes=pass_list, name=name, cache_dir=cache_dir,
+        device,
+        result.graph,
+        initial_state=initial_state(result.graph, model, lr=config.lr, step=1),
+        example_batch=batch,
+        input_names=input_names,
+        target_names=target_names,
+        passes=pass_list,
+        model=model,
+        dynamic_axes=dynamic_axes,
+        cache_dir=cache_dir,
     )
