@@ -69,6 +69,7 @@ class OrtTrainer:
         target_names: Sequence[str],
         passes: Sequence[str] = (),
         model: torch.nn.Module | None = None,
+        optimizer_config: optimizers.OptimizerConfig | None = None,
         dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
@@ -80,6 +81,7 @@ class OrtTrainer:
         self.device = device
         self.graph = graph
         self.model = model
+        self.optimizer_config = optimizer_config
         self.name = graph.name
         self.passes = list(passes)
         self.input_names = list(input_names)
@@ -330,6 +332,7 @@ def create_ort_trainer(
         target_names=target_names,
         passes=pass_list,
         model=model,
+        optimizer_config=config,
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
     )

@@ -1,0 +1,262 @@
+"""The ``ort-offload`` command line: ``train``, ``export``, ``run``.
+
+``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
+model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget.
+Every user error prints one line and exits with code 2; nothing is left half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", default=None, help="device budget: bytes, 64MiB, 1.5GiB or 0.5x of the unplanned peak (default: unlimited)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps to run (default 5)")
+    parser.add_argument("--passes", default="auto", help="auto (what the budget needs) or none")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
+    parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
+    parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
+    parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ort-offload", description="Train models larger than device memory on ONNX Runtime.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
+    train.add_argument("--model", required=True, help="zoo model: mlp, gpt, cnn, bert, lstm")
+    train.add_argument("--config", default="tiny", help="model config (tiny, small)")
+    train.add_argument("--batch", type=int, default=None)
+    train.add_argument("--seq", type=int, default=None)
+    train.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    train.add_argument("--lr", type=float, default=None)
+    train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
+    train.add_argument("--cache-dir", default=None, help="export cache directory")
+    _add_common_run_options(train)
+
+    export = sub.add_parser("export", help="write a zoo model's training step as ONNX")
+    export.add_argument("--model", required=True)
+    export.add_argument("--config", default="tiny")
+    export.add_argument("--batch", type=int, default=None)
+    export.add_argument("--seq", type=int, default=None)
+    export.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    export.add_argument("--lr", type=float, default=None)
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("-o", "--output", required=True, help="output .onnx path")
+    export.add_argument("--cache-dir", default=None)
+
+    run = sub.add_parser("run", help="execute a training-step ONNX graph under a budget")
+    run.add_argument("graph", help="training-step .onnx file")
+    run.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
+                     help="concrete shape of an input with symbolic dims, e.g. ids=8x128 (repeatable)")
+    _add_common_run_options(run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from models import UnknownModelError as ZooUnknownModel
+    from ort_offload.errors import OffloadError
+
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "export":
+            return _export(args)
+        return _run(args)
+    except (OffloadError, ZooUnknownModel) as e:
+        print(f"ort-offload: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ort-offload: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+def _zoo_spec(args):
+    from models import get_model
+
+    try:
+        return get_model(args.model, args.config, seed=args.seed)
+    except ValueError as e:
+        from ort_offload.errors import UnknownModelError
+
+        raise UnknownModelError(str(e)) from e
+
+
+def _batch(spec, args, step: int):
+    try:
+        return spec.make_batch(args.batch, args.seq, seed=args.seed * 100003 + step)
+    except ValueError as e:
+        from ort_offload.errors import InputMismatchError
+
+        raise InputMismatchError(str(e)) from e
+
+
+def _check_outputs_writable(*paths) -> None:
+    from ort_offload.errors import OffloadError
+
+    for path in paths:
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise OffloadError(f"cannot write {path}: directory {Path(path).resolve().parent} does not exist")
+
+
+def _device(args):
+    import ort_offload
+
+    return ort_offload.set_offload_device(
+        args.device, budget=args.budget, **({"max_block_nodes": args.block_nodes} if args.block_nodes else {})
+    )
+
+
+def _train(args) -> int:
+    import ort_offload
+    from ort_offload.errors import OffloadError
+
+    _check_outputs_writable(args.json_path, args.plot_path)
+    if args.steps < 1:
+        raise OffloadError("--steps must be at least 1")
+    device = _device(args)
+    spec = _zoo_spec(args)
+    inputs, targets = _batch(spec, args, 0)
+    options = {"lr": args.lr} if args.lr is not None else {}
+    trainer = ort_offload.create_ort_trainer(
+        device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
+        input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
+        optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir, **options,
+    )
+    batches = [_batch(spec, args, step) for step in range(args.steps)]
+    _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)
+    extra = {}
+    if args.verify:
+        extra["verify"] = _verify(spec, args, trainer, batches)
+    return _finish(trainer, args, extra)
+
+
+def _verify(spec, args, trainer, batches) -> dict:
+    """Train a fresh copy of the same model in plain torch on the same batches and compare."""
+    import numpy as np
+
+    from models import get_model
+
+    reference = get_model(args.model, args.config, seed=args.seed)
+    optimizer = trainer.optimizer_config.torch_optimizer(reference.model.parameters())
+    reference.model.train()
+    losses = []
+    for inputs, targets in batches:
+        loss = reference.loss_fn(reference.model(*inputs), *targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    state = trainer.state_dict()
+    param_diff = 0.0
+    for name, tensor in reference.model.state_dict().items():
+        if name in state and tensor.is_floating_point():
+            ref = tensor.detach().numpy()
+            scale = max(float(np.abs(ref).max()), 1e-12)
+            param_diff = max(param_diff, float(np.abs(state[name] - ref).max()) / scale)
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trainer.losses, losses))
+    return {"torch_losses": losses, "max_loss_rel_diff": loss_diff, "max_param_rel_diff": param_diff}
+
+
+def _run_steps(trainer, batches, *, quiet: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet or len(batches) < 2:
+        for batch in batches:
+            trainer.step(*batch)
+        return
+    columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        task = progress.add_task("train", total=len(batches), loss="-")
+        for batch in batches:
+            loss = trainer.step(*batch)
+            progress.update(task, advance=1, loss=f"{loss:.4f}")
+
+
+def _finish(trainer, args, extra: dict) -> int:
+    from rich.console import Console
+
+    from ort_offload.report import plot_timeline, render_table, write_json
+
+    report = trainer.report()
+    if args.plot_path:
+        trace = trainer.runner.last_trace
+        plot_timeline(args.plot_path, baseline=trace, planned=trace, budget_bytes=report["budget_bytes"],
+                      title=f"{report['model']}: device bytes over one step")
+    if args.json_path:
+        write_json({**report, **extra}, args.json_path)
+    if not args.quiet:
+        flat = {}
+        for key, value in extra.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, list)})
+        Console().print(render_table(report, flat))
+    return 0
+
+
+def _export(args) -> int:
+    from ort_offload.export import export_training_step
+    from ort_offload.optimizers import make_optimizer
+
+    _check_outputs_writable(args.output)
+    spec = _zoo_spec(args)
+    inputs, targets = _batch(spec, args, 0)
+    result = export_training_step(
+        spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn,
+        optimizer=make_optimizer(args.optimizer, lr=args.lr), input_names=spec.input_names,
+        target_names=spec.target_names, dynamic_axes=spec.dynamic_axes, name=spec.name, cache_dir=args.cache_dir,
+    )
+    result.graph.save(args.output)
+    print(f"wrote {args.output}: {len(result.graph.graph.node)} nodes, inputs {', '.join(result.graph.data_inputs)}"
+          f" ({'cache hit' if result.cache_hit else f'exported in {result.export_time_s:.1f} s'})")
+    return 0
+
+
+def _run(args) -> int:
+    from graph_passes.training_graph import TrainingGraph
+    from graph_passes.validate import check_supported_ops, load_model
+    from ort_offload.errors import OffloadError
+    from ort_offload.graph_inputs import parse_input_shapes, random_batch, random_state
+    from ort_offload.trainer import OrtTrainer, resolve_passes
+
+    _check_outputs_writable(args.json_path, args.plot_path)
+    if args.steps < 1:
+        raise OffloadError("--steps must be at least 1")
+    device = _device(args)
+    passes = resolve_passes(args.passes)
+    model = load_model(args.graph)
+    check_supported_ops(model)
+    graph = TrainingGraph.from_model(model, name=Path(args.graph).stem)
+    shapes = parse_input_shapes(args.input)
+    state = random_state(graph, seed=args.seed)
+    batches = [random_batch(graph, shapes, seed=args.seed * 100003 + step) for step in range(args.steps)]
+    trainer = OrtTrainer(
+        device, graph, initial_state=state, example_batch=batches[0],
+        input_names=graph.data_inputs, target_names=[], passes=passes,
+    )
+    _run_steps(trainer, [tuple(b[n] for n in graph.data_inputs) for b in batches], quiet=args.quiet)
+    return _finish(trainer, args, {})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
