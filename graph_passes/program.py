@@ -18,6 +18,7 @@ import onnx
 
 from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names
 from graph_passes.shapes import TensorInfo
+from ort_offload.errors import UnsupportedGraphError
 
 DEFAULT_BLOCK_NODES = 256
 
@@ -171,6 +172,12 @@ def lower(
     for name in fetches:
         steps.append(Fetch(name, free=name not in state_pairs.values()))
     renames = tuple((out, inp) for inp, out in state_pairs.items())
+    for out, inp in renames:
+        if infos[out].dtype != infos[inp].dtype or infos[out].shape != infos[inp].shape:
+            raise UnsupportedGraphError(
+                f"state {inp!r} is {infos[inp]} but its update {out!r} is {infos[out]}: "
+                "a training step must keep each state tensor's dtype and shape"
+            )
     if renames:
         steps.append(Commit(renames))
     return Program(tuple(blocks), tuple(steps), state_inputs, tuple(n for n in graph_inputs if n in set(data_inputs)), fetches)

@@ -40,17 +40,20 @@ def _elem_dtype(elem_type: int) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
 
 
-def declared_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, tuple[int | str | None, ...]]]:
-    """Declared dtype and (possibly symbolic) shape of every graph input."""
+def declared_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, tuple[int | str | None, ...] | None]]:
+    """Declared dtype and (possibly symbolic) shape of every graph input; shape None when the
+    input declares none (any rank)."""
     initializers = {t.name for t in model.graph.initializer}
     declared = {}
     for value in model.graph.input:
         if value.name in initializers:
             continue
         tensor_type = value.type.tensor_type
-        dims = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
-        )
+        dims = None
+        if tensor_type.HasField("shape"):
+            dims = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
+            )
         declared[value.name] = (_elem_dtype(tensor_type.elem_type), dims)
     return declared
 
@@ -73,7 +76,9 @@ def check_inputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
         array = feeds[name]
         if np.dtype(array.dtype) != dtype:
             raise InputMismatchError(f"input {name!r} has dtype {array.dtype}, the graph expects {dtype}")
-        if dims and len(array.shape) != len(dims):
+        if dims is None:
+            dims = ()
+        elif len(array.shape) != len(dims):
             raise InputMismatchError(f"input {name!r} has shape {list(array.shape)}, the graph expects rank {len(dims)} {list(dims)}")
         for axis, (size, dim) in enumerate(zip(array.shape, dims)):
             if isinstance(dim, int) and dim > 0 and size != dim:

@@ -37,7 +37,7 @@ from ort_offload.errors import ExportError, InputMismatchError
 logger = logging.getLogger(__name__)
 
 OPSET_VERSION = 20
-EXPORTER_VERSION = "1"  # bump when the exported graph's layout changes: invalidates caches
+EXPORTER_VERSION = "3"  # bump when the exported graph's layout changes: invalidates caches
 LOSS_OUTPUT = "loss"
 CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"
 
@@ -365,9 +365,10 @@ def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, 
     roles = dict(zip(arg_names, arg_roles))
     roles.update(zip(out_names, out_roles))
     pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
+    _match_state_shapes(graph, pairs)
     if optimizer is not None:
         _append_optimizer(graph, optimizer, grad_of, roles, pairs)
-    return _finish(ir_model, roles, pairs, name)
+    return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)))
 
 
 def _export_eval(model, example_inputs, input_names, axes, name):
@@ -399,7 +400,7 @@ def _export_eval(model, example_inputs, input_names, axes, name):
     _rename_signature(graph, arg_names, out_names)
     roles = dict(zip(arg_names, arg_roles))
     roles.update({n: Role.ACTIVATION for n in out_names})
-    return _finish(ir_model, roles, {}, name)
+    return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)))
 
 
 def _strip(target: str) -> str:
@@ -432,6 +433,30 @@ def _rename_signature(graph: ir.Graph, input_names: Sequence[str], output_names:
             value.name = new
 
 
+def _match_state_shapes(graph: ir.Graph, pairs: Mapping[str, str]) -> None:
+    """Give each updated buffer its input's shape (torch's translation of `num_batches_tracked
+    + 1` yields shape [1] for a 0-d buffer), so state keeps one shape across steps."""
+    inputs = {v.name: v for v in graph.inputs}
+    for position, value in enumerate(list(graph.outputs)):
+        source = next((s for s, out in pairs.items() if out == value.name), None)
+        if source is None:
+            continue
+        target = inputs[source]
+        if value.shape is not None and target.shape is not None and list(value.shape) == list(target.shape):
+            continue
+        if target.shape is None or not target.shape.is_static():
+            raise ExportError(f"buffer {source!r} needs a static shape to be carried across steps")
+        dims = ir.tensor(np.array(list(target.shape), dtype=np.int64))
+        shape_node = ir.node("Constant", [], {"value": dims}, name=f"export/shape/{source}")
+        value.name = f"{value.name}.raw"
+        reshape = ir.node("Reshape", [value, shape_node.outputs[0]], name=f"export/reshape/{source}")
+        graph.append(shape_node)
+        graph.append(reshape)
+        reshape.outputs[0].name = pairs[source]
+        reshape.outputs[0].dtype, reshape.outputs[0].shape = target.dtype, target.shape
+        graph.outputs[position] = reshape.outputs[0]
+
+
 def _append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs: dict) -> None:
     values = {v.name: v for v in graph.inputs}
     grads = {v.name: v for v in graph.outputs if v.name in grad_of}
@@ -462,9 +487,10 @@ def _append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs
     graph.outputs.extend(new_outputs)
 
 
-def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str) -> TrainingGraph:
+def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mapping[str, Mapping[int, str]]) -> TrainingGraph:
     model = ir.to_proto(ir_model)
     model.graph.name = name
+    _name_dynamic_dims(model, axes)
     for node in model.graph.node:
         for out in node.output:
             if out and out not in roles:
@@ -474,6 +500,25 @@ def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str) -> Training
     except onnx.checker.ValidationError as e:
         raise ExportError(f"exported graph of {name} is not valid ONNX: {str(e).splitlines()[0]}") from e
     return TrainingGraph(model=model, roles=roles, state_pairs=pairs, name=name)
+
+
+def _name_dynamic_dims(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> None:
+    """Rename torch's symbols (s0, s17, ...) of the batch and sequence axes to "batch"/"seq"
+    everywhere in the graph, so shapes read as users wrote them."""
+    inputs = {v.name: v for v in model.graph.input}
+    renames: dict[str, str] = {}
+    for input_name, tags in axes.items():
+        dims = inputs[input_name].type.tensor_type.shape.dim if input_name in inputs else []
+        for axis, tag in tags.items():
+            if axis < len(dims) and dims[axis].dim_param and dims[axis].dim_param not in renames:
+                taken = set(renames.values())
+                renames[dims[axis].dim_param] = tag if tag not in taken else f"{tag}{len(taken)}"
+    if not renames:
+        return
+    for value in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renames:
+                dim.dim_param = renames[dim.dim_param]
 
 
 def initial_state(
@@ -489,7 +534,7 @@ def initial_state(
         elif input_name == optimizers.STEP_INPUT:
             state[input_name] = np.array(step, dtype=np.float32)
         elif input_name in tensors:
-            state[input_name] = np.ascontiguousarray(tensors[input_name]).copy()
+            state[input_name] = np.array(tensors[input_name], copy=True, order="C")
         else:
             param_name = input_name.rsplit(".", 1)[0]
             if param_name not in tensors:

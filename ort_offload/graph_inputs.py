@@ -34,7 +34,11 @@ def parse_input_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _concrete_shape(name: str, dims, given: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    if dims is None and name not in given:
+        raise InputMismatchError(f"input {name!r} declares no shape: pass it, e.g. --input {name}=8x16")
     if name in given:
+        if dims is None:
+            return given[name]
         shape = given[name]
         if len(shape) != len(dims) or any(isinstance(d, int) and d > 0 and d != s for d, s in zip(dims, shape)):
             raise InputMismatchError(f"--input {name}={'x'.join(map(str, shape))} does not match the graph's shape {list(dims)}")

@@ -52,7 +52,8 @@ def resolve_passes(passes: str | Sequence[str]) -> list[str]:
 def _to_numpy(value) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().contiguous().numpy()
-    return np.ascontiguousarray(value)
+    array = np.asarray(value)  # not ascontiguousarray: it turns 0-d arrays into 1-d ones
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 class OrtTrainer:

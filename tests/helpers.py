@@ -1,0 +1,81 @@
+"""Train a zoo model in ort_offload and in plain torch on the same batches, for comparisons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+import ort_offload
+from models import get_model
+
+
+@dataclasses.dataclass
+class Run:
+    trainer: "ort_offload.OrtTrainer"
+    losses: list[float]
+    state: dict[str, np.ndarray]
+
+
+def batches(name: str, steps: int, *, seq_lengths=None, config="tiny"):
+    spec = get_model(name, config)
+    out = []
+    for step in range(steps):
+        seq = None if seq_lengths is None else seq_lengths[step % len(seq_lengths)]
+        out.append(spec.make_batch(seq=seq, seed=step))
+    return out
+
+
+def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny", block_nodes=None,
+              data=None, **options) -> Run:
+    spec = get_model(name, config)
+    data = data or batches(name, steps, config=config)
+    kwargs = {"max_block_nodes": block_nodes} if block_nodes else {}
+    device = ort_offload.set_offload_device("cpu", budget=budget, **kwargs)
+    trainer = ort_offload.create_ort_trainer(
+        device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
+        input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
+        optimizer=optimizer, name=name, **options,
+    )
+    losses = [trainer.step(*inputs, *targets) for inputs, targets in data]
+    return Run(trainer, losses, trainer.state_dict())
+
+
+def train_torch(name: str, optimizer_config, *, steps=5, config="tiny", data=None):
+    spec = get_model(name, config)
+    data = data or batches(name, steps, config=config)
+    optimizer = optimizer_config.torch_optimizer(spec.model.parameters())
+    spec.model.train()
+    losses = []
+    for inputs, targets in data:
+        loss = spec.loss_fn(spec.model(*inputs), *targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy().copy() for k, v in spec.model.state_dict().items()}, spec.model
+
+
+def max_relative_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| relative to the largest magnitude in b (per tensor)."""
+    scale = max(float(np.abs(b).max()) if b.size else 0.0, 1e-12)
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) / scale if b.size else 0.0
+
+
+def assert_matches_torch(run: Run, torch_losses, torch_state, *, rtol=1e-5):
+    for ours, theirs in zip(run.losses, torch_losses):
+        assert abs(ours - theirs) <= rtol * max(abs(theirs), 1e-12), (run.losses, torch_losses)
+    compared = 0
+    for name, ref in torch_state.items():
+        if name in run.state and np.issubdtype(ref.dtype, np.floating):
+            diff = max_relative_diff(run.state[name], ref)
+            assert diff <= rtol, f"{name}: relative difference {diff:.3g}"
+            compared += 1
+        elif name in run.state:
+            np.testing.assert_array_equal(run.state[name], ref)
+    assert compared >= 4
+
+
+def to_torch(arrays):
+    return tuple(torch.from_numpy(np.asarray(a)) for a in arrays)

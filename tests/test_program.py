@@ -1,0 +1,175 @@
+"""Lowering into blocks: structure on hand-built graphs, exact equivalence with one session,
+and the memory replay that the runtime's peak is measured against."""
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graph_passes import shapes
+from graph_passes.liveness import lifetimes
+from graph_passes.memory import simulate_program
+from graph_passes.program import Commit, Fetch, Load, RunBlock, lower, partition
+from graph_passes.training_graph import Role, TrainingGraph
+from ort_offload.device import set_offload_device
+from ort_offload.runtime import GraphRunner, Runtime
+
+# A two-layer "training step" in onnx text: w1/w2 are state updated by a fake optimizer.
+STEP = """
+<ir_version: 9, opset_import: ["" : 20]>
+step (float[N, 8] x, float[8, 8] w1, float[8, 4] w2) => (float loss, float[8, 8] w1_new, float[8, 4] w2_new) {
+    h = MatMul(x, w1)
+    a = Relu(h)
+    o = MatMul(a, w2)
+    s = Softmax(o)
+    loss = ReduceMean<keepdims = 0>(s)
+    sa = Sigmoid(a)
+    ax = Constant<value = int64[1] {0}>()
+    g1 = ReduceMean<keepdims = 1>(sa, ax)
+    c = Constant<value = float {0.5}>()
+    d1 = Mul(g1, c)
+    w1_new = Sub(w1, d1)
+    g2 = ReduceMean<keepdims = 1>(o, ax)
+    d2 = Mul(g2, c)
+    w2_new = Sub(w2, d2)
+}
+"""
+
+
+def step_graph() -> TrainingGraph:
+    model = onnx.parser.parse_model(STEP)
+    onnx.checker.check_model(model)
+    roles = {"x": Role.INPUT, "w1": Role.PARAM, "w2": Role.PARAM, "loss": Role.LOSS,
+             "w1_new": Role.PARAM, "w2_new": Role.PARAM}
+    for node in model.graph.node:
+        for out in node.output:
+            roles.setdefault(out, Role.ACTIVATION)
+    return TrainingGraph(model, roles, {"w1": "w1_new", "w2": "w2_new"}, name="step")
+
+
+def feeds(batch=5, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, 8)).astype(np.float32),
+            "w1": rng.standard_normal((8, 8)).astype(np.float32),
+            "w2": rng.standard_normal((8, 4)).astype(np.float32)}
+
+
+def test_partition_is_even_and_covers_every_position():
+    chunks = partition(10, 4)
+    assert [len(c) for c in chunks] == [3, 4, 3]
+    assert sum(chunks, ()) == tuple(range(10))
+    assert partition(0, 4) == []
+
+
+def test_lifetimes_end_at_last_use_and_outputs_live_to_the_end():
+    graph = step_graph().graph
+    life = lifetimes(graph)
+    assert life["x"].birth == -1 and life["x"].last_use == 0
+    assert life["loss"].last_use == len(graph.node)
+    assert life["a"].last_use > life["h"].last_use
+
+
+@pytest.mark.parametrize("block_nodes", [1, 2, 3, 5, 100])
+def test_lowering_structure(block_nodes):
+    g = step_graph()
+    f = feeds()
+    infos = shapes.infer_tensor_infos(g.model, shapes.check_inputs(g.model, f))
+    program = lower(g.model, infos, state_pairs=g.state_pairs, data_inputs=["x"], max_block_nodes=block_nodes)
+    assert program.state_inputs == ("w1", "w2")
+    assert isinstance(program.steps[0], Load) and program.steps[0].name == "x"
+    assert isinstance(program.steps[-1], Commit)
+    assert program.steps[-1].renames == (("w1_new", "w1"), ("w2_new", "w2"))
+    assert [s.name for s in program.steps if isinstance(s, Fetch)] == ["loss"]
+    produced_before = {"x", "w1", "w2"}
+    for step in program.steps:
+        if isinstance(step, RunBlock):
+            block = program.blocks[step.block]
+            assert set(block.inputs) <= produced_before  # blocks read only what is resident
+            produced_before |= set(block.outputs)
+            assert all(n in produced_before for n in step.frees)
+    # State replaced by its update is freed during the step; nothing else leaks.
+    freed = [n for s in program.steps if isinstance(s, RunBlock) for n in s.frees]
+    assert "w1" in freed and "w2" in freed and "x" in freed
+    assert len(freed) == len(set(freed))
+
+
+@pytest.mark.parametrize("block_nodes", [1, 2, 4, 100])
+def test_block_runtime_equals_one_session_exactly(block_nodes):
+    g = step_graph()
+    f = feeds()
+    reference = dict(zip(g.output_names, ort.InferenceSession(g.model.SerializeToString()).run(None, f)))
+    runtime = Runtime(set_offload_device("cpu", max_block_nodes=block_nodes))
+    runner = GraphRunner(runtime, g, fetches=["loss"])
+    prepared = runner.prepare(shapes.check_inputs(g.model, f))
+    runtime.place_state(f, prepared.program.state_inputs, runner.capacity_for(prepared))
+    out = runner.run({"x": f["x"]}, prepared)
+    assert out["loss"].tobytes() == reference["loss"].tobytes()
+    np.testing.assert_array_equal(runtime.read("w1"), reference["w1_new"])
+    np.testing.assert_array_equal(runtime.read("w2"), reference["w2_new"])
+    # Measured peak is the replayed peak: same allocator, same sequence.
+    assert runtime.stats.peak_device_bytes <= prepared.trace.peak_device_bytes
+    assert runtime.stats.peak_device_bytes >= prepared.trace.min_budget_bytes
+
+
+def test_workspace_counts_only_values_inside_a_block():
+    g = step_graph()
+    f = feeds(batch=64)
+    infos = shapes.infer_tensor_infos(g.model, shapes.check_inputs(g.model, f))
+    one = lower(g.model, infos, state_pairs=g.state_pairs, data_inputs=["x"], max_block_nodes=1)
+    whole = lower(g.model, infos, state_pairs=g.state_pairs, data_inputs=["x"], max_block_nodes=100)
+    assert one.max_workspace_bytes == 0  # every value crosses a block boundary
+    assert whole.max_workspace_bytes >= infos["h"].nbytes + infos["a"].nbytes
+    assert simulate_program(one, infos).arena_high_water > simulate_program(whole, infos).arena_high_water
+
+
+def test_shape_inference_falls_back_to_a_probe_run():
+    # NonZero's output length depends on data: inference cannot know it, the probe does.
+    model = onnx.parser.parse_model("""
+    <ir_version: 9, opset_import: ["" : 20]>
+    g (float[4] x) => (float y) {
+        nz = NonZero(x)
+        f = Cast<to = 1>(nz)
+        y = ReduceSum<keepdims = 0>(f)
+    }""")
+    x = np.array([0, 1, 0, 2], dtype=np.float32)
+    infos = shapes.infer_tensor_infos(model, shapes.check_inputs(model, {"x": x}), probe_feeds={"x": x})
+    assert infos["nz"].shape == (1, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["Relu", "Sigmoid", "Neg", "Exp", "MatMul", "Add", "Concat"]), min_size=1, max_size=12),
+       st.integers(1, 6))
+def test_random_chains_match_one_session(ops, block_nodes):
+    """Random chains/branches of standard ops: the block runtime gives the session's bytes."""
+    lines, last, prev = [], "x", "x"
+    for i, op in enumerate(ops):
+        out = f"v{i}"
+        if op == "MatMul":
+            lines.append(f"{out} = MatMul({last}, w)")
+        elif op == "Add":
+            lines.append(f"{out} = Add({last}, {prev})")
+        elif op == "Concat":
+            lines.append(f"c{i} = Concat<axis = 1>({last}, {prev})")
+            lines.append(f"{out} = MatMul(c{i}, w2)")
+        else:
+            lines.append(f"{out} = {op}({last})")
+        prev, last = last, out
+    text = ("<ir_version: 9, opset_import: [\"\" : 20]>\n"
+            "g (float[3, 4] x, float[4, 4] w, float[8, 4] w2) => (float[3, 4] y) {\n"
+            + "\n".join(lines) + f"\n y = Identity({last})\n}}")
+    model = onnx.parser.parse_model(text)
+    roles = {"x": Role.INPUT, "w": Role.PARAM, "w2": Role.PARAM, "y": Role.LOSS}
+    g = TrainingGraph(model, roles, {}, name="chain")
+    rng = np.random.default_rng(1)
+    f = {"x": rng.standard_normal((3, 4)).astype(np.float32), "w": rng.standard_normal((4, 4)).astype(np.float32),
+         "w2": rng.standard_normal((8, 4)).astype(np.float32)}
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, f)[0]
+    runtime = Runtime(set_offload_device("cpu", max_block_nodes=block_nodes))
+    runner = GraphRunner(runtime, g, fetches=["y"])
+    prepared = runner.prepare(shapes.check_inputs(model, f))
+    runtime.place_state(f, prepared.program.state_inputs, runner.capacity_for(prepared))
+    out = runner.run({"x": f["x"]}, prepared)["y"]
+    assert out.tobytes() == expected.tobytes()
