@@ -1,0 +1,130 @@
+"""The ``ort-offload`` command line: train/export/run, reports, and bad input (exit code 2,
+one line, no partial files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import onnx
+import onnx.helper as oh
+import pytest
+
+from ort_offload.cli import main
+from ort_offload.report import REPORT_KEYS
+
+
+def run_cli(*args):
+    return main([str(a) for a in args])
+
+
+def test_train_writes_report_json_and_plot(tmp_path, capsys):
+    report_path, plot_path = tmp_path / "r.json", tmp_path / "p.png"
+    code = run_cli("train", "--model", "mlp", "--budget", "1.0x", "--steps", "3", "--verify",
+                   "--json", report_path, "--plot", plot_path)
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["within_budget"] is True and report["steps"] == 3
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert report["verify"]["max_loss_rel_diff"] < 1e-5
+    assert report["verify"]["max_param_rel_diff"] < 1e-5
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "peak_device_bytes" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json"]
+
+
+def test_export_then_run_the_file(tmp_path):
+    graph = tmp_path / "gpt.onnx"
+    assert run_cli("export", "--model", "gpt", "-o", graph) == 0
+    onnx.checker.check_model(onnx.load(graph))
+    report_path = tmp_path / "run.json"
+    code = run_cli("run", graph, "--budget", "1.0x", "--steps", "2", "--input", "ids=4x16",
+                   "--input", "targets=4x16", "--json", report_path, "--quiet")
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 2 and report["within_budget"] is True
+    assert len(report["losses"]) == 2
+
+
+def _expect_error(capsys, *args, message):
+    code = run_cli(*args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert message in err
+    return err
+
+
+def test_unknown_model_and_config(capsys, tmp_path):
+    _expect_error(capsys, "train", "--model", "resnet9000", message="valid models")
+    _expect_error(capsys, "train", "--model", "mlp", "--config", "huge", message="huge")
+
+
+def test_unknown_device(capsys):
+    _expect_error(capsys, "train", "--model", "mlp", "--device", "tpu", message="unknown device")
+
+
+def test_unparsable_budget(capsys):
+    _expect_error(capsys, "train", "--model", "mlp", "--budget", "lots", message="cannot parse budget")
+
+
+def test_budget_too_small_names_the_bytes_needed(capsys, tmp_path):
+    report_path = tmp_path / "r.json"
+    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "0.5x", "--json", report_path,
+                        message="needs without offload passes")
+    assert any(ch.isdigit() for ch in err)
+    assert not report_path.exists()
+
+
+def test_malformed_and_missing_files(capsys, tmp_path):
+    junk = tmp_path / "junk.onnx"
+    junk.write_text("this is not onnx")
+    _expect_error(capsys, "run", junk, message="not an ONNX model")
+    _expect_error(capsys, "run", tmp_path / "absent.onnx", message="no such file")
+    # Valid protobuf, invalid graph (a node reads an undefined value).
+    bad = oh.make_model(oh.make_graph([oh.make_node("Relu", ["nowhere"], ["y"])], "g", [],
+                                      [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]))
+    invalid = tmp_path / "invalid.onnx"
+    onnx.save(bad, invalid)
+    _expect_error(capsys, "run", invalid, message="not valid ONNX")
+
+
+def test_unsupported_op(capsys, tmp_path):
+    node = oh.make_node("Frobnicate", ["x"], ["loss"], domain="com.example")
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20), oh.make_opsetid("com.example", 1)])
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, path)
+    _expect_error(capsys, "run", path, message="com.example::Frobnicate")
+
+
+def test_input_shapes_that_do_not_match(capsys, tmp_path):
+    graph = tmp_path / "mlp.onnx"
+    assert run_cli("export", "--model", "mlp", "-o", graph) == 0
+    capsys.readouterr()
+    _expect_error(capsys, "run", graph, "--input", "x=4x31", "--input", "y=4", message="does not match")
+    _expect_error(capsys, "run", graph, message="symbolic shape")
+    _expect_error(capsys, "run", graph, "--input", "x=4x32", "--input", "y=5", message="dimension")
+    _expect_error(capsys, "run", graph, "--input", "bogus", message="cannot parse --input")
+    _expect_error(capsys, "train", "--model", "gpt", "--seq", "1000", message="seq")
+
+
+def test_no_partial_output_when_the_directory_is_missing(capsys, tmp_path):
+    _expect_error(capsys, "export", "--model", "mlp", "-o", tmp_path / "nodir" / "m.onnx", message="does not exist")
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    env = dict(os.environ)
+    result = subprocess.run([sys.executable, "-m", "ort_offload", "train", "--model", "nope"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "valid models" in result.stderr
+    script = shutil.which("ort-offload", path=os.path.dirname(sys.executable))
+    assert script is not None, "the ort-offload console script is not installed"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "train" in result.stdout
