@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PY) -m ort_offload train --model gpt --budget 1.0x --steps 20 --verify
+	$(PY) -m ort_offload train --model gpt --config small --budget 1.0x --steps 10 --verify
 
 test: setup
 	$(PY) -m pytest -q
