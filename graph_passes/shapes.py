@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 
 # The error hierarchy is a leaf module shared by every package.
 from ort_offload.errors import InputMismatchError, ModelLoadError
@@ -100,35 +101,131 @@ def infer_tensor_infos(
     input_infos: Mapping[str, TensorInfo],
     *,
     probe_feeds: Mapping[str, np.ndarray] | None = None,
+    max_rounds: int = 16,
 ) -> dict[str, TensorInfo]:
-    """TensorInfo of every input, initializer and node output for the given input shapes."""
+    """TensorInfo of every input, initializer and node output for the given input shapes.
+
+    Rounds of ONNX shape inference on a copy with concrete input shapes. Where inference stops
+    (a node whose input shapes are known but whose output is not, e.g. a ``Reshape`` whose
+    target shape is computed from a sequence length), the node's small integer inputs are
+    computed by a probe run of just their ancestors (usually a few ``Shape``/``Gather`` nodes)
+    and pinned as constants in the copy, so the next round can fold them; a node whose integer
+    inputs are all pinned already has its outputs probed directly. What is still unknown after
+    ``max_rounds`` comes from one probe of the whole graph.
+    """
     concrete = onnx.ModelProto()
     concrete.CopyFrom(model)
     for value in concrete.graph.input:
         if value.name in input_infos:
-            info = input_infos[value.name]
-            value.type.tensor_type.ClearField("shape")
-            value.type.tensor_type.shape.SetInParent()
-            for size in info.shape:
-                value.type.tensor_type.shape.dim.add().dim_value = size
+            _set_shape(value, input_infos[value.name])
     del concrete.graph.value_info[:]
     for out in concrete.graph.output:
         out.type.tensor_type.ClearField("shape")
     infos: dict[str, TensorInfo] = dict(input_infos)
-    for init in model.graph.initializer:
-        infos[init.name] = TensorInfo(_elem_dtype(init.data_type), tuple(init.dims))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(concrete, check_type=False, strict_mode=False, data_prop=True)
+    infos.update(infos_of_initializers(model))
+    nodes = list(model.graph.node)
+    pinned: set[str] = set()
+    for _ in range(max_rounds):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(concrete, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as e:  # inference is an optimisation; the probe is exact
+            logger.debug("ONNX shape inference failed (%s); probing", e)
+            break
         for value in list(inferred.graph.value_info) + list(inferred.graph.output):
             info = _static_info(value)
             if info is not None:
                 infos.setdefault(value.name, info)
-    except Exception as e:  # inference is an optimisation; the probe below is exact
-        logger.debug("ONNX shape inference failed (%s); probing every value", e)
-    missing = [out for node in model.graph.node for out in node.output if out and out not in infos]
+        frontier = [
+            node for node in nodes
+            if any(o and o not in infos for o in node.output) and all(not n or n in infos for n in node.input)
+        ]
+        if not frontier:
+            break
+        to_pin = sorted({
+            name for node in frontier for name in node.input
+            if name and name not in pinned and name in infos and _is_small_int(infos[name])
+            and name not in input_infos
+        })
+        if to_pin:
+            values = _probe_values(concrete, input_infos, to_pin, probe_feeds)
+            _pin_constants(concrete, values)
+            pinned.update(values)
+        else:
+            outputs = [o for node in frontier for o in node.output if o and o not in infos]
+            values = _probe_values(concrete, input_infos, outputs, probe_feeds)
+            for name, array in values.items():
+                infos[name] = TensorInfo(np.dtype(array.dtype), tuple(array.shape))
+                _set_shape(concrete.graph.value_info.add(name=name), infos[name])
+    missing = [out for node in nodes for out in node.output if out and out not in infos]
     if missing:
         infos.update(_probe(model, input_infos, missing, probe_feeds))
-    return infos
+    names = set(input_infos) | set(infos_of_initializers(model)) | {o for n in nodes for o in n.output if o}
+    return {n: i for n, i in infos.items() if n in names}  # not the pinned copies
+
+
+_SMALL_INT_ELEMENTS = 64
+
+
+def _is_small_int(info: TensorInfo) -> bool:
+    return np.issubdtype(info.dtype, np.integer) and int(np.prod(info.shape, dtype=np.int64)) <= _SMALL_INT_ELEMENTS
+
+
+def _probe_values(model, input_infos, names, probe_feeds) -> dict[str, np.ndarray]:
+    """Values of ``names`` from a run of only their ancestors."""
+    import onnxruntime as ort
+
+    keep = _ancestors(model.graph, names)
+    sub = onnx.ModelProto()
+    sub.CopyFrom(model)
+    del sub.graph.node[:]
+    sub.graph.node.extend(n for i, n in enumerate(model.graph.node) if i in keep)
+    used = {name for n in sub.graph.node for name in n.input} | set(names)
+    inputs = [v for v in model.graph.input if v.name in used]
+    del sub.graph.input[:]
+    sub.graph.input.extend(inputs)
+    del sub.graph.output[:]
+    del sub.graph.value_info[:]
+    for name in names:
+        sub.graph.output.add().name = name
+    feeds = _feeds_for([v.name for v in inputs], input_infos, probe_feeds)
+    try:
+        session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip(names, session.run(list(names), feeds)))
+    except Exception as e:
+        raise ModelLoadError(f"cannot determine tensor shapes: a probe run failed ({str(e).splitlines()[0]})") from e
+
+
+def _pin_constants(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Make consumers of each value read a Constant holding it (inference folds constants)."""
+    renames = {name: f"{name}__pinned" for name in values}
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in renames:
+                node.input[k] = renames[name]
+    for name, array in values.items():
+        model.graph.node.insert(0, onnx.helper.make_node(
+            "Constant", [], [renames[name]], value=onnx.numpy_helper.from_array(np.asarray(array), renames[name])
+        ))
+
+
+def _feeds_for(names, input_infos, probe_feeds) -> dict[str, np.ndarray]:
+    if probe_feeds is not None:
+        return {n: probe_feeds[n] for n in names}
+    rng = np.random.default_rng(0)
+    return {n: _random(rng, input_infos[n]) for n in names}
+
+
+def infos_of_initializers(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+    return {t.name: TensorInfo(_elem_dtype(t.data_type), tuple(t.dims)) for t in model.graph.initializer}
+
+
+def _set_shape(value: onnx.ValueInfoProto, info: TensorInfo) -> None:
+    tensor_type = value.type.tensor_type
+    tensor_type.elem_type = onnx.helper.np_dtype_to_tensor_dtype(info.dtype)
+    tensor_type.ClearField("shape")
+    tensor_type.shape.SetInParent()
+    for size in info.shape:
+        tensor_type.shape.dim.add().dim_value = size
 
 
 def _static_info(value: onnx.ValueInfoProto) -> TensorInfo | None:
@@ -149,20 +246,31 @@ def _probe(model, input_infos, names, probe_feeds) -> dict[str, TensorInfo]:
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
+    del probe.graph.output[:]
     for name in names:
-        if name not in existing:
-            probe.graph.output.add().name = name
-    if probe_feeds is None:
-        rng = np.random.default_rng(0)
-        probe_feeds = {n: _random(rng, info) for n, info in input_infos.items()}
-    logger.info("probing shapes of %d values with one run", len(names))
+        probe.graph.output.add().name = name
+    feeds = _feeds_for([v.name for v in model.graph.input if v.name in input_infos], input_infos, probe_feeds)
+    logger.info("probing shapes of %d values with one run of the whole graph", len(names))
     try:
         session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-        results = session.run(list(names), dict(probe_feeds))
+        results = session.run(list(names), feeds)
     except Exception as e:
         raise ModelLoadError(f"cannot determine tensor shapes: the probe run failed ({str(e).splitlines()[0]})") from e
     return {n: TensorInfo(np.dtype(r.dtype), tuple(r.shape)) for n, r in zip(names, results)}
+
+
+def _ancestors(graph: onnx.GraphProto, names) -> set[int]:
+    """Indices of the nodes needed to compute ``names``."""
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
+    keep: set[int] = set()
+    stack = [producer[n] for n in names if n in producer]
+    while stack:
+        index = stack.pop()
+        if index in keep:
+            continue
+        keep.add(index)
+        stack.extend(producer[n] for n in graph.node[index].input if n in producer)
+    return keep
 
 
 def _random(rng: np.random.Generator, info: TensorInfo) -> np.ndarray:

@@ -95,7 +95,8 @@ class OrtTrainer:
         self.runner = GraphRunner(self.runtime, graph, fetches=[graph.loss_name] if graph.loss_name else None)
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
-        prepared = self.runner.prepare(check_inputs(graph.model, {**initial_state, **example_batch}))
+        feeds = {**initial_state, **example_batch}
+        prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
         self.runtime.place_state(initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared))
 
     # ---- properties -------------------------------------------------------------------------
@@ -127,7 +128,10 @@ class OrtTrainer:
         """Check the batch against the graph (state as resident) and get the step's program."""
         arena = self.runtime.arena
         resident = {n: _Shaped(arena.info(n)) for n in runner.graph.state_inputs}
-        return runner.prepare(check_inputs(runner.graph.model, {**resident, **feeds}))
+        infos = check_inputs(runner.graph.model, {**resident, **feeds})
+        # Real values for any shape probe: data-dependent shapes must see the actual batch.
+        probe_feeds = {**{n: arena.view(n) for n in runner.graph.state_inputs}, **feeds}
+        return runner.prepare(infos, probe_feeds=probe_feeds)
 
     def step(self, *batch) -> float:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""
