@@ -37,7 +37,7 @@ def test_roles_cover_every_value_and_state_is_paired():
     values = {v.name for v in graph.graph.input} | {o for n in graph.graph.node for o in n.output if o}
     assert values <= set(graph.roles)
     params = [n for n, _ in spec.model.named_parameters()]
-    assert graph.names_with_role(Role.PARAM)[: len(params)] == params
+    assert [n for n in graph.input_names if graph.roles[n] == Role.PARAM] == params
     assert graph.data_inputs == ["x", "y"]
     assert graph.loss_name == "loss"
     for param in params:
