@@ -171,47 +171,25 @@ class GraphRunner:
         runtime = self.runtime
         arena = runtime.arena
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
-        infos = prepared.infos
-        program = prepared.program
         started = time.perf_counter()
-        fetched: dict[str, np.ndarray] = {}
-        max_workspace = 0
+        execution = _StepExecution(self, prepared, feeds)
+        handlers = {Load: execution.load, RunBlock: execution.run_block, Fetch: execution.fetch, Commit: execution.commit}
         try:
-            for step in program.steps:
-                if isinstance(step, RunBlock):
-                    for name in step.allocates:
-                        arena.allocate(name, infos[name])
-                    session = self.session(prepared, step.block)
-                    max_workspace = max(max_workspace, program.blocks[step.block].workspace_bytes)
-                    pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
-                    session.run(pointers, infos)
-                    for name in step.frees:
-                        arena.free(name)
-                elif isinstance(step, Load):
-                    view = arena.allocate(step.name, infos[step.name])
-                    view[...] = feeds[step.name]
-                elif isinstance(step, Fetch):
-                    fetched[step.name] = arena.view(step.name).copy()
-                    if step.free:
-                        arena.free(step.name)
-                elif isinstance(step, Commit):
-                    for updated, state in step.renames:
-                        if state in arena:
-                            arena.free(state)
-                        arena.rename(updated, state)
+            for step in prepared.program.steps:
+                handlers[type(step)](step)
         except OutOfArenaMemory as e:
-            self._abort(program)
+            self._abort(prepared.program)
             raise BudgetTooSmallError(
                 f"arena full while running {self.graph.name}: {e}; raise the budget",
                 needed_bytes=arena.in_use + e.nbytes, budget_bytes=runtime.budget_bytes or 0,
             ) from e
         except Exception:
-            self._abort(program)
+            self._abort(prepared.program)
             raise
-        runtime.stats.blocks_run += len(program.blocks)
-        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, arena.high_water + max_workspace)
+        runtime.stats.blocks_run += len(prepared.program.blocks)
+        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, arena.high_water + execution.max_workspace)
         self.step_times_s.append(time.perf_counter() - started)
-        return fetched
+        return execution.fetched
 
     def _abort(self, program: Program) -> None:
         """Free a failed step's temporaries; fail loudly if state was already consumed."""
@@ -227,3 +205,41 @@ class GraphRunner:
                 "reload the trainer from its last checkpoint"
             )
 
+
+
+class _StepExecution:
+    """The meaning of each program step for one run (one handler per step type)."""
+
+    def __init__(self, runner: GraphRunner, prepared: PreparedStep, feeds: Mapping[str, np.ndarray]) -> None:
+        self.runner = runner
+        self.arena = runner.runtime.arena
+        self.prepared = prepared
+        self.infos = prepared.infos
+        self.feeds = feeds
+        self.fetched: dict[str, np.ndarray] = {}
+        self.max_workspace = 0
+
+    def load(self, step: Load) -> None:
+        self.arena.allocate(step.name, self.infos[step.name])[...] = self.feeds[step.name]
+
+    def run_block(self, step: RunBlock) -> None:
+        arena = self.arena
+        for name in step.allocates:
+            arena.allocate(name, self.infos[name])
+        session = self.runner.session(self.prepared, step.block)
+        self.max_workspace = max(self.max_workspace, session.block.workspace_bytes)
+        pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
+        session.run(pointers, self.infos)
+        for name in step.frees:
+            arena.free(name)
+
+    def fetch(self, step: Fetch) -> None:
+        self.fetched[step.name] = self.arena.view(step.name).copy()
+        if step.free:
+            self.arena.free(step.name)
+
+    def commit(self, step: Commit) -> None:
+        for updated, state in step.renames:
+            if state in self.arena:
+                self.arena.free(state)
+            self.arena.rename(updated, state)
