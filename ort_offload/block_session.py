@@ -21,16 +21,32 @@ from ort_offload.errors import UnsupportedGraphError
 
 
 def block_model(model: onnx.ModelProto, block: Block, elem_types: Mapping[str, int]) -> onnx.ModelProto:
-    """A standalone model of the block's nodes."""
+    """A standalone model of the block's nodes.
+
+    Inputs, outputs and internal values keep the (possibly symbolic) shapes the step graph
+    declares: ONNX Runtime's fusions need them, and symbolic dims keep the session valid for
+    every input signature.
+    """
     nodes = [model.graph.node[i] for i in block.node_indices]
     needed = {n for node in nodes for n in consumed_names(node)}
     initializers = [t for t in model.graph.initializer if t.name in needed]
+    declared = {v.name: v for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)}
+
+    def value_info(name: str) -> onnx.ValueInfoProto:
+        known = declared.get(name)
+        if known is not None and known.type.tensor_type.elem_type == elem_types[name]:
+            return known
+        return onnx.helper.make_tensor_value_info(name, elem_types[name], None)
+
+    boundary = set(block.inputs) | set(block.outputs)
+    internal = [declared[o] for node in nodes for o in node.output if o in declared and o not in boundary]
     graph = onnx.helper.make_graph(
         nodes,
         f"{model.graph.name}_block{block.index}",
-        [onnx.helper.make_tensor_value_info(n, elem_types[n], None) for n in block.inputs],
-        [onnx.helper.make_tensor_value_info(n, elem_types[n], None) for n in block.outputs],
+        [value_info(n) for n in block.inputs],
+        [value_info(n) for n in block.outputs],
         initializer=initializers,
+        value_info=internal,
     )
     sub = onnx.helper.make_model(
         graph, opset_imports=list(model.opset_import), ir_version=model.ir_version, functions=list(model.functions)
@@ -88,6 +104,10 @@ def default_session_options(*, intra_op_threads: int = 0) -> ort.SessionOptions:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
+    # Every block is its own session with its own intra-op pool; pools that spin after their
+    # block finishes steal the cores the next block needs (gpt small, 13 blocks, 2 cores:
+    # 0.76 s/step spinning vs 0.29 s not).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
