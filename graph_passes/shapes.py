@@ -9,6 +9,7 @@ and shape computations that inference cannot fold).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Mapping
 
@@ -29,8 +30,8 @@ class TensorInfo:
     dtype: np.dtype
     shape: tuple[int, ...]
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # cached: the runtime asks for it on every allocation
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def __str__(self) -> str:
@@ -59,12 +60,15 @@ def declared_inputs(model: onnx.ModelProto) -> dict[str, tuple[np.dtype, tuple[i
     return declared
 
 
-def check_inputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
+def check_inputs(
+    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], *, declared: Mapping | None = None
+) -> dict[str, TensorInfo]:
     """Check feeds against the graph's declared inputs; returns their concrete infos.
 
     Symbolic dimensions must agree across inputs (every ``batch`` is the same size).
+    ``declared`` is ``declared_inputs(model)``, for callers that check every step.
     """
-    declared = declared_inputs(model)
+    declared = declared_inputs(model) if declared is None else declared
     missing = [n for n in declared if n not in feeds]
     if missing:
         raise InputMismatchError(f"missing graph inputs: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
@@ -189,7 +193,7 @@ def _probe_values(model, input_infos, names, probe_feeds) -> dict[str, np.ndarra
         sub.graph.output.add().name = name
     feeds = _feeds_for([v.name for v in inputs], input_infos, probe_feeds)
     try:
-        session = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(sub.SerializeToString(), _quiet_options(), providers=["CPUExecutionProvider"])
         return dict(zip(names, session.run(list(names), feeds)))
     except Exception as e:
         raise ModelLoadError(f"cannot determine tensor shapes: a probe run failed ({str(e).splitlines()[0]})") from e
@@ -252,11 +256,19 @@ def _probe(model, input_infos, names, probe_feeds) -> dict[str, TensorInfo]:
     feeds = _feeds_for([v.name for v in model.graph.input if v.name in input_infos], input_infos, probe_feeds)
     logger.info("probing shapes of %d values with one run of the whole graph", len(names))
     try:
-        session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(probe.SerializeToString(), _quiet_options(), providers=["CPUExecutionProvider"])
         results = session.run(list(names), feeds)
     except Exception as e:
         raise ModelLoadError(f"cannot determine tensor shapes: the probe run failed ({str(e).splitlines()[0]})") from e
     return {n: TensorInfo(np.dtype(r.dtype), tuple(r.shape)) for n, r in zip(names, results)}
+
+
+def _quiet_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return options
 
 
 def _ancestors(graph: onnx.GraphProto, names) -> set[int]:

@@ -42,6 +42,8 @@ class DeviceArena:
             raise OutOfArenaMemory("<resize>", capacity, self.allocator.in_use, capacity)
         if capacity > self.buffer.size:
             self._reserve(capacity)
+        if self.growable:
+            capacity = self.buffer.size  # never cap a growable arena below what it already has
         self.allocator.capacity = capacity
 
     def _reserve(self, capacity: int) -> None:
@@ -57,20 +59,20 @@ class DeviceArena:
 
     # ---- tensors -------------------------------------------------------------------------
 
-    def allocate(self, name: str, info: TensorInfo) -> np.ndarray:
+    def allocate(self, name: str, info: TensorInfo) -> None:
         try:
             self.allocator.allocate(name, info.nbytes)
         except OutOfArenaMemory:
             size = align_up(info.nbytes, self.alignment)
             if self.growable:
-                self.set_capacity(max(self.capacity + self.capacity // 4, self.allocator.high_water_live() + size))
+                # Grow geometrically from the buffer (not the cap) so drift costs few copies.
+                self.set_capacity(max(self.buffer.size + self.buffer.size // 4, self.allocator.high_water_live() + size))
             elif self.allocator.in_use + size <= self.capacity:
                 self.compact()  # enough bytes are free, only not in one piece
             else:
                 raise
             self.allocator.allocate(name, info.nbytes)
         self._infos[name] = info
-        return self.view(name)
 
     def compact(self) -> None:
         """Close the holes by moving tensors down (in ascending order, so no move clobbers a
@@ -109,8 +111,8 @@ class DeviceArena:
 
     def store(self, name: str, array: np.ndarray) -> None:
         """Allocate ``name`` and copy ``array`` into it."""
-        view = self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
-        view[...] = array
+        self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
+        self.view(name)[...] = array
 
     @property
     def in_use(self) -> int:

@@ -12,7 +12,6 @@ import dataclasses
 import onnxruntime as ort
 
 from graph_passes.memory import DEFAULT_ALIGNMENT
-from graph_passes.program import DEFAULT_BLOCK_NODES
 from ort_offload.budget import Budget, parse_budget
 from ort_offload.errors import UnknownDeviceError
 
@@ -23,14 +22,14 @@ SUPPORTED_DEVICES = ("cpu",)
 class OffloadDevice:
     """A device kind plus the budget and runtime knobs every trainer on it uses.
 
-    ``budget=None`` means unlimited. ``max_block_nodes`` bounds how many nodes one execution
-    block (one ONNX Runtime session) holds: smaller blocks mean smaller workspaces and more
-    per-block calls (a few µs each).
+    ``budget=None`` means unlimited. ``max_block_nodes`` fixes how many nodes one execution
+    block (one ONNX Runtime session) holds; ``None`` lets the runtime pick the largest blocks
+    that fit the budget (whole graph first: fastest; smaller blocks free memory sooner).
     """
 
     kind: str = "cpu"
     budget: Budget | None = None
-    max_block_nodes: int = DEFAULT_BLOCK_NODES
+    max_block_nodes: int | None = None
     alignment: int = DEFAULT_ALIGNMENT
     intra_op_threads: int = 0
 
@@ -46,7 +45,7 @@ def set_offload_device(
     kind: str = "cpu",
     *,
     budget: str | int | Budget | None = None,
-    max_block_nodes: int = DEFAULT_BLOCK_NODES,
+    max_block_nodes: int | None = None,
     intra_op_threads: int = 0,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
@@ -59,7 +58,7 @@ def set_offload_device(
         raise UnknownDeviceError(f"device {kind!r}: the CUDA device is not implemented yet; use 'cpu'")
     if name not in SUPPORTED_DEVICES:
         raise UnknownDeviceError(f"unknown device {kind!r}: use one of {', '.join(SUPPORTED_DEVICES)}")
-    if max_block_nodes < 1:
+    if max_block_nodes is not None and max_block_nodes < 1:
         raise ValueError("max_block_nodes must be at least 1")
     return OffloadDevice(
         kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads

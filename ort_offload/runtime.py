@@ -61,7 +61,10 @@ class Runtime:
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
-        self.session_options = default_session_options(intra_op_threads=device.intra_op_threads)
+
+    def session_options(self, *, spinning: bool):
+        """Options for a block session; spinning only pays off when one session runs alone."""
+        return default_session_options(intra_op_threads=self.device.intra_op_threads, spinning=spinning)
 
     def resolve_budget(self, baseline_peak_bytes: int) -> int | None:
         """Bytes of the budget; a fraction resolves against the first unplanned peak seen."""
@@ -88,6 +91,20 @@ class Runtime:
         view[...] = array
 
 
+# Block sizes tried, largest first, when the device leaves the choice to the runtime: fewer,
+# larger blocks run faster (ONNX Runtime fuses across more nodes, fewer calls); smaller ones
+# free values sooner and bound each block's workspace.
+AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32)
+
+
+def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[int]:
+    """Block sizes to try for a graph: the device's fixed size, or the whole graph and then
+    :data:`AUTO_BLOCK_SIZES` below it."""
+    if max_block_nodes is not None:
+        return [max_block_nodes]
+    return [max(num_nodes, 1)] + [n for n in AUTO_BLOCK_SIZES if n < num_nodes]
+
+
 class GraphRunner:
     """Runs one training-step (or forward) graph on a :class:`Runtime`."""
 
@@ -100,6 +117,7 @@ class GraphRunner:
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
         self.step_times_s: list[float] = []
+        self.declared_inputs = shapes.declared_inputs(graph.model)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -108,39 +126,53 @@ class GraphRunner:
     # ---- planning --------------------------------------------------------------------------
 
     def prepare(self, input_infos: Mapping[str, TensorInfo], *, probe_feeds=None) -> PreparedStep:
-        """Lower and check the graph for these input shapes (cached per signature)."""
+        """Lower and check the graph for these input shapes (cached per signature).
+
+        ``probe_feeds``: input values for shape probes, or a function returning them (called
+        only when this signature is new)."""
         signature = tuple(sorted((n, i.dtype.str, i.shape) for n, i in input_infos.items()))
         prepared = self._prepared.get(signature)
         if prepared is not None:
             return prepared
         start = time.perf_counter()
+        if callable(probe_feeds):
+            probe_feeds = probe_feeds()
         infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
-        program = lower(
-            self.model,
-            infos,
-            state_pairs=self.graph.state_pairs,
-            data_inputs=self.graph.data_inputs,
-            fetches=self.fetches,
-            max_block_nodes=self.runtime.device.max_block_nodes,
-        )
-        trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
-        self.baseline_peak_bytes = trace.peak_device_bytes
-        budget = self.runtime.resolve_budget(trace.peak_device_bytes)
-        if budget is not None and trace.min_budget_bytes > budget:
+        budget = None
+        needed = None
+        chosen = None
+        for block_nodes in block_size_candidates(len(self.model.graph.node), self.runtime.device.max_block_nodes):
+            program = lower(
+                self.model,
+                infos,
+                state_pairs=self.graph.state_pairs,
+                data_inputs=self.graph.data_inputs,
+                fetches=self.fetches,
+                max_block_nodes=block_nodes,
+            )
+            trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
+            if needed is None:  # the largest blocks: the unplanned program
+                self.baseline_peak_bytes = trace.peak_device_bytes
+                budget = self.runtime.resolve_budget(trace.peak_device_bytes)
+            needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
+            if budget is None or trace.min_budget_bytes <= budget:
+                chosen = (program, trace)
+                break
+        if chosen is None:
             raise BudgetTooSmallError(
-                f"budget {format_bytes(budget)} is below the {format_bytes(trace.min_budget_bytes)} "
-                f"({trace.min_budget_bytes} bytes) {self.graph.name} needs without offload passes; "
-                "raise the budget to at least that",
-                needed_bytes=trace.min_budget_bytes,
+                f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
+                f"{self.graph.name} needs without offload passes; raise the budget to at least that",
+                needed_bytes=needed,
                 budget_bytes=budget,
             )
+        program, trace = chosen
         prepared = PreparedStep(signature, infos, program, trace)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.runtime.stats.plan_time_s += time.perf_counter() - start
         logger.info(
-            "prepared %s: %d blocks, unplanned peak %s, minimum budget %s",
-            self.graph.name, len(program.blocks), format_bytes(trace.peak_device_bytes),
+            "prepared %s: %d blocks, unplanned peak %s, this program's minimum budget %s",
+            self.graph.name, len(program.blocks), format_bytes(self.baseline_peak_bytes),
             format_bytes(trace.min_budget_bytes),
         )
         return prepared
@@ -159,9 +191,11 @@ class GraphRunner:
         session = self._sessions.get(block.node_indices)
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
+            single = len(prepared.program.blocks) == 1
             session = BlockSession(
                 self.model, block, elem_types,
-                session_options=self.runtime.session_options, providers=self.runtime.device.providers,
+                session_options=self.runtime.session_options(spinning=single),
+                providers=self.runtime.device.providers,
             )
             self._sessions[block.node_indices] = session
         return session
@@ -220,7 +254,8 @@ class _StepExecution:
         self.max_workspace = 0
 
     def load(self, step: Load) -> None:
-        self.arena.allocate(step.name, self.infos[step.name])[...] = self.feeds[step.name]
+        self.arena.allocate(step.name, self.infos[step.name])
+        self.arena.view(step.name)[...] = self.feeds[step.name]
 
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena

@@ -128,10 +128,9 @@ class OrtTrainer:
         """Check the batch against the graph (state as resident) and get the step's program."""
         arena = self.runtime.arena
         resident = {n: _Shaped(arena.info(n)) for n in runner.graph.state_inputs}
-        infos = check_inputs(runner.graph.model, {**resident, **feeds})
+        infos = check_inputs(runner.graph.model, {**resident, **feeds}, declared=runner.declared_inputs)
         # Real values for any shape probe: data-dependent shapes must see the actual batch.
-        probe_feeds = {**{n: arena.view(n) for n in runner.graph.state_inputs}, **feeds}
-        return runner.prepare(infos, probe_feeds=probe_feeds)
+        return runner.prepare(infos, probe_feeds=lambda: {**{n: arena.view(n) for n in runner.graph.state_inputs}, **feeds})
 
     def step(self, *batch) -> float:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""

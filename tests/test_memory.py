@@ -111,7 +111,8 @@ def test_arena_compacts_when_fragmentation_alone_blocks_an_allocation():
 
 def test_arena_views_are_aligned_and_share_memory():
     arena = DeviceArena(4096, alignment=64)
-    view = arena.allocate("x", TensorInfo(np.dtype(np.float32), (4, 8)))
+    arena.allocate("x", TensorInfo(np.dtype(np.float32), (4, 8)))
+    view = arena.view("x")
     assert arena.pointer("x") % 64 == 0
     view[...] = 3.0
     assert arena.view("x").sum() == 96.0
