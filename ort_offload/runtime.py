@@ -116,6 +116,7 @@ class GraphRunner:
         self._sessions: dict[tuple[int, ...], BlockSession] = {}
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
+        self.last_prepared: PreparedStep | None = None
         self.step_times_s: list[float] = []
         self.declared_inputs = shapes.declared_inputs(graph.model)
 
@@ -169,6 +170,7 @@ class GraphRunner:
         prepared = PreparedStep(signature, infos, program, trace)
         self._prepared[signature] = prepared
         self.last_trace = trace
+        self.last_prepared = prepared
         self.runtime.stats.plan_time_s += time.perf_counter() - start
         logger.info(
             "prepared %s: %d blocks, unplanned peak %s, this program's minimum budget %s",

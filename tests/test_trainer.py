@@ -90,6 +90,7 @@ def test_dynamic_sequence_lengths_share_one_export():
     torch_losses, torch_state, _ = train_torch("gpt", SGD(lr=0.05), data=data)
     assert_matches_torch(run, torch_losses, torch_state)
     assert len(run.trainer.runner._prepared) == 3  # one plan per signature, one graph
+    assert run.trainer.runner.last_prepared.infos["ids"].shape == (8, 12)
 
 
 def test_wrong_batch_is_a_clear_error_and_changes_nothing():
