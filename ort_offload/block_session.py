@@ -83,18 +83,13 @@ class BlockSession:
     def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
         """Run the block reading inputs at and writing outputs to the given arena pointers."""
         binding = self.binding
-        for name in self.block.inputs:
-            key = (pointers[name], infos[name].shape)
-            if self._bound.get(name) != key:
+        for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
+            for name in names:
                 info = infos[name]
-                binding.bind_input(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
-                self._bound[name] = key
-        for name in self.block.outputs:
-            key = (pointers[name], infos[name].shape)
-            if self._bound.get(name) != key:
-                info = infos[name]
-                binding.bind_output(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
-                self._bound[name] = key
+                key = (pointers[name], info.shape)
+                if self._bound.get(name) != key:  # rebind only what moved or changed shape
+                    bind(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
+                    self._bound[name] = key
         self.session.run_with_iobinding(binding)
 
 

@@ -37,7 +37,7 @@ from ort_offload.errors import ExportError, InputMismatchError
 logger = logging.getLogger(__name__)
 
 OPSET_VERSION = 20
-EXPORTER_VERSION = "3"  # bump when the exported graph's layout changes: invalidates caches
+EXPORTER_VERSION = "4"  # bump when the exported graph's layout changes: invalidates caches
 LOSS_OUTPUT = "loss"
 CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"
 
@@ -313,31 +313,11 @@ def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, 
     except Exception as e:
         raise ExportError(f"torch could not build the backward graph ({type(e).__name__}: {e})") from e
 
-    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.export.graph_signature import OutputKind
 
-    params = dict(wrapper.named_parameters())
-    buffers = dict(wrapper.named_buffers())
-    args, arg_names, arg_roles, dyn = [], [], [], []
-    user_index = 0
-    for spec in joint.graph_signature.input_specs:
-        if spec.kind == InputKind.PARAMETER:
-            args.append(params[spec.target].detach())
-            arg_names.append(_strip(spec.target))
-            arg_roles.append(Role.PARAM)
-            dyn.append(None)
-        elif spec.kind == InputKind.BUFFER:
-            args.append(buffers[spec.target].detach())
-            arg_names.append(_strip(spec.target))
-            arg_roles.append(Role.BUFFER)
-            dyn.append(None)
-        elif spec.kind == InputKind.USER_INPUT:
-            args.append(batch[user_index])
-            arg_names.append(batch_names[user_index])
-            arg_roles.append(Role.INPUT)
-            dyn.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
-            user_index += 1
-        else:
-            raise ExportError(f"unsupported input kind {spec.kind} in the joint graph of {name}")
+    args, arg_names, arg_roles, dyn = _graph_arguments(
+        joint.graph_signature.input_specs, wrapper, batch, batch_names, axes, what=f"the joint graph of {name}"
+    )
 
     out_names, out_roles, grad_of = [], [], {}
     for spec in joint.graph_signature.output_specs:
@@ -373,27 +353,9 @@ def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, 
 
 def _export_eval(model, example_inputs, input_names, axes, name):
     ep = _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
-    from torch.export.graph_signature import InputKind
-
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    args, arg_names, arg_roles, dyn = [], [], [], []
-    user_index = 0
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            source = params if spec.kind == InputKind.PARAMETER else buffers
-            args.append(source[spec.target].detach())
-            arg_names.append(spec.target)
-            arg_roles.append(Role.PARAM if spec.kind == InputKind.PARAMETER else Role.BUFFER)
-            dyn.append(None)
-        elif spec.kind == InputKind.USER_INPUT:
-            args.append(example_inputs[user_index])
-            arg_names.append(input_names[user_index])
-            arg_roles.append(Role.INPUT)
-            dyn.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
-            user_index += 1
-        else:
-            raise ExportError(f"unsupported input kind {spec.kind} in the forward graph of {name}")
+    args, arg_names, arg_roles, dyn = _graph_arguments(
+        ep.graph_signature.input_specs, model, example_inputs, input_names, axes, what=f"the forward graph of {name}"
+    )
     ir_model = _onnx_export(ep.graph_module, tuple(args), tuple(dyn))
     graph = ir_model.graph
     out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]
@@ -401,6 +363,34 @@ def _export_eval(model, example_inputs, input_names, axes, name):
     roles = dict(zip(arg_names, arg_roles))
     roles.update({n: Role.ACTIVATION for n in out_names})
     return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)))
+
+
+def _graph_arguments(input_specs, module, user_values, user_names, axes, *, what: str):
+    """Positional arguments of an exported graph module, in signature order, with the ONNX
+    input name, role and dynamic shape of each: parameters and buffers by FQN, user inputs by
+    the names the caller gave."""
+    from torch.export.graph_signature import InputKind
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    args, names, roles, dynamic = [], [], [], []
+    user_index = 0
+    for spec in input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            is_param = spec.kind == InputKind.PARAMETER
+            args.append((params if is_param else buffers)[spec.target].detach())
+            names.append(_strip(spec.target))
+            roles.append(Role.PARAM if is_param else Role.BUFFER)
+            dynamic.append(None)
+        elif spec.kind == InputKind.USER_INPUT:
+            args.append(user_values[user_index])
+            names.append(user_names[user_index])
+            roles.append(Role.INPUT)
+            dynamic.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
+            user_index += 1
+        else:
+            raise ExportError(f"unsupported input kind {spec.kind} in {what}")
+    return args, names, roles, dynamic
 
 
 def _strip(target: str) -> str:
