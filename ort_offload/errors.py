@@ -48,5 +48,9 @@ class ExportError(OffloadError):
     """torch could not export the model as a training-step graph."""
 
 
+class ExecutionError(OffloadError):
+    """ONNX Runtime failed while running a block (e.g. an index out of range in the batch)."""
+
+
 class CheckpointError(OffloadError):
     """A checkpoint that is missing, corrupt, or does not match the trainer's state."""

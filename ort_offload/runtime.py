@@ -27,7 +27,7 @@ from ort_offload.arena import DeviceArena, OutOfArenaMemory
 from ort_offload.block_session import BlockSession, default_session_options
 from ort_offload.budget import format_bytes
 from ort_offload.device import OffloadDevice
-from ort_offload.errors import BudgetTooSmallError, OffloadError
+from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.host_store import HostStore
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,14 @@ class _StepExecution:
         session = self.runner.session(self.prepared, step.block)
         self.max_workspace = max(self.max_workspace, session.block.workspace_bytes)
         pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
-        session.run(pointers, self.infos)
+        try:
+            session.run(pointers, self.infos)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ExecutionError(
+                f"block {step.block} of {self.runner.graph.name} failed in ONNX Runtime ({first}); "
+                "check the batch values (e.g. token ids below the vocabulary size)"
+            ) from e
         for name in step.frees:
             arena.free(name)
 

@@ -136,10 +136,10 @@ class OrtTrainer:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""
         feeds = self._feeds(batch, self.batch_names)
         prepared = self._prepare(self.runner, feeds)
-        if optimizers.STEP_INPUT in self.runtime.arena:
-            self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
         outputs = self.runner.run(feeds, prepared)
         self._step_count += 1
+        if optimizers.STEP_INPUT in self.runtime.arena:  # the number of the next step (Adam's t)
+            self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
         if self.graph.loss_name is None:
             return float("nan")
         loss = float(outputs[self.graph.loss_name])
@@ -191,7 +191,8 @@ class OrtTrainer:
                 )
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
-        self._step_count = int(round(float(arrays.get(optimizers.STEP_INPUT, self._step_count))))
+        if optimizers.STEP_INPUT in arrays:  # it holds the number of the next step
+            self._step_count = int(round(float(arrays[optimizers.STEP_INPUT]))) - 1
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint atomically (a temporary file renamed into place)."""

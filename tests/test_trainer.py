@@ -10,11 +10,11 @@ import torch
 import ort_offload
 from helpers import assert_matches_torch, batches, train_ort, train_torch
 from models import get_model
-from ort_offload.errors import BudgetTooSmallError, CheckpointError, InputMismatchError
+from ort_offload.errors import BudgetTooSmallError, CheckpointError, ExecutionError, InputMismatchError
 from ort_offload.optimizers import SGD, AdamW
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn", "bert", "lstm"])
 def test_five_sgd_steps_match_torch(name):
     config = SGD(lr=0.05, momentum=0.9, weight_decay=1e-4)
     run = train_ort(name, optimizer=config)
@@ -166,3 +166,16 @@ def test_learning_rate_can_change_between_steps():
     after = run.trainer.state_dict()
     assert run.trainer.lr == 0.0
     assert all(np.array_equal(before[k], after[k]) for k in before if not k.startswith("optimizer."))
+
+
+def test_a_failing_step_is_a_clear_error_and_keeps_the_state():
+    data = batches("gpt", 2)
+    run = train_ort("gpt", data=data[:1], optimizer="adamw")
+    before = run.trainer.state_dict()
+    (ids,), (targets,) = data[1]
+    with pytest.raises(ExecutionError, match="vocabulary"):
+        run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table
+    after = run.trainer.state_dict()
+    assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
+    loss = run.trainer.step(ids, targets)  # the trainer still works
+    assert np.isfinite(loss) and run.trainer.steps_done == 2
