@@ -108,8 +108,32 @@ class BestFitAllocator:
         self._placements[new] = self._placements.pop(old)
 
     def high_water_live(self) -> int:
-        """End of the highest tensor live now."""
-        return max((p.offset + p.nbytes for p in self._placements.values()), default=0)
+        """End of the highest tensor live now (the frontier: frees at the top retreat it)."""
+        return self._top
+
+    def allocate_or_compact(self, name: str, nbytes: int) -> list[tuple[str, int, int]]:
+        """Allocate; if only fragmentation is in the way, compact first. Returns the moves
+        compaction made (empty if none) for whoever holds the bytes."""
+        try:
+            self.allocate(name, nbytes)
+            return []
+        except OutOfArenaMemory:
+            if self.capacity is None or self.in_use + align_up(nbytes, self.alignment) > self.capacity:
+                raise
+        moves = self.compact()
+        self.allocate(name, nbytes)
+        return moves
+
+    def limit(self, capacity: int | None) -> list[tuple[str, int, int]]:
+        """Cap the range at ``capacity``, compacting if live tensors reach past it; returns the
+        moves made. Raises OutOfArenaMemory if the live bytes alone exceed it."""
+        moves = []
+        if capacity is not None and self._top > capacity:
+            if self.in_use > capacity:
+                raise OutOfArenaMemory("<limit>", 0, self.in_use, capacity)
+            moves = self.compact()
+        self.capacity = capacity
+        return moves
 
     def compact(self) -> list[tuple[str, int, int]]:
         """Slide every live tensor down to close all holes; returns (name, old, new) offsets in
@@ -155,13 +179,14 @@ def peak_of_sizes(events: Iterable[tuple[str, str]], sizes: Mapping[str, int]) -
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPoint:
-    """Device bytes after one program step: ``in_use`` arena bytes (plus the running block's
-    workspace while a block runs) and the arena's ``high_water`` so far."""
+    """Device memory at one program step: ``in_use`` arena bytes, ``extent`` (end of the
+    highest live tensor: what the arena occupies), and the running block's ``workspace``."""
 
     label: str
     in_use: int
     workspace: int
     high_water: int
+    extent: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,18 +195,10 @@ class MemoryTrace:
     peak_in_use: int  # most arena bytes live at once (independent of placement)
     max_workspace: int
     timeline: tuple[MemoryPoint, ...]  # the last simulated step
-
-    @property
-    def peak_device_bytes(self) -> int:
-        """Arena high-water plus the largest block workspace (DESIGN.md, peak accounting)."""
-        return self.arena_high_water + self.max_workspace
-
-    @property
-    def min_budget_bytes(self) -> int:
-        """The smallest budget this program runs in: live bytes at their peak plus the largest
-        workspace. The arena compacts when fragmentation alone blocks an allocation, so
-        placement never raises the requirement above this."""
-        return self.peak_in_use + self.max_workspace
+    peak_device_bytes: int = 0  # max over steps of arena extent + running block's workspace
+    min_budget_bytes: int = 0  # max over steps of live arena bytes + running block's workspace
+    # (the arena compacts when fragmentation alone blocks an allocation, so placement never
+    # raises the requirement above min_budget_bytes)
 
 
 def simulate_program(
@@ -189,44 +206,64 @@ def simulate_program(
     infos,
     *,
     steps: int = 2,
+    budget: int | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> MemoryTrace:
     """Replay ``program`` (a :class:`graph_passes.program.Program`) for ``steps`` steps through
     the arena's allocator, the state placed first in input order as the runtime places it.
 
     Several steps, because updated state lands wherever the allocator puts it and the next
-    step starts from that layout.
+    step starts from that layout. With a ``budget``, the arena is capped as the runtime caps
+    it (the budget less the running block's workspace) and compacts when it must.
     """
     allocator = BestFitAllocator(alignment=alignment)
     for name in program.state_inputs:
         allocator.allocate(name, infos[name].nbytes)
     timeline: list[MemoryPoint] = []
+    peak = need = 0
     for _ in range(steps):
         timeline = []
-        _replay_one_step(allocator, program, infos, timeline)
-    return MemoryTrace(allocator.high_water, allocator.peak_in_use, program.max_workspace_bytes, tuple(timeline))
+        _replay_one_step(allocator, program, infos, timeline, budget)
+        peak = max([peak] + [p.extent + p.workspace for p in timeline])
+        need = max([need] + [p.in_use + p.workspace for p in timeline])
+    return MemoryTrace(
+        allocator.high_water, allocator.peak_in_use, program.max_workspace_bytes, tuple(timeline), peak, need
+    )
 
 
-def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list[MemoryPoint]) -> None:
-    from graph_passes.program import Commit, Fetch, Load, RunBlock
+def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list[MemoryPoint], budget=None) -> None:
+    from graph_passes.program import Commit, Fetch, Load, RunBlock, SwapIn, SwapOut
+
+    def cap(workspace: int) -> None:
+        if budget is not None:
+            allocator.limit(budget - workspace)
 
     for step in program.steps:
         if isinstance(step, Load):
-            allocator.allocate(step.name, infos[step.name].nbytes)
-            timeline.append(MemoryPoint(f"load {step.name}", allocator.in_use, 0, allocator.high_water))
+            cap(0)
+            allocator.allocate_or_compact(step.name, infos[step.name].nbytes)
+            timeline.append(MemoryPoint(f"load {step.name}", allocator.in_use, 0, allocator.high_water, allocator.high_water_live()))
         elif isinstance(step, RunBlock):
-            for name in step.allocates:
-                allocator.allocate(name, infos[name].nbytes)
             workspace = program.blocks[step.block].workspace_bytes
-            timeline.append(MemoryPoint(f"block {step.block}", allocator.in_use, workspace, allocator.high_water))
+            cap(workspace)
+            for name in step.allocates:
+                allocator.allocate_or_compact(name, infos[name].nbytes)
+            timeline.append(MemoryPoint(f"block {step.block}", allocator.in_use, workspace, allocator.high_water, allocator.high_water_live()))
             for name in step.frees:
                 allocator.free(name)
         elif isinstance(step, Fetch):
             if step.free:
                 allocator.free(step.name)
+        elif isinstance(step, SwapOut):
+            allocator.free(step.name)
+        elif isinstance(step, SwapIn):
+            cap(0)
+            allocator.allocate_or_compact(step.name, infos[step.name].nbytes)
+            timeline.append(MemoryPoint(f"swap in {step.name}", allocator.in_use, 0, allocator.high_water, allocator.high_water_live()))
         elif isinstance(step, Commit):
             for updated, state in step.renames:
                 if state in allocator:
                     allocator.free(state)
-                allocator.rename(updated, state)
-            timeline.append(MemoryPoint("commit", allocator.in_use, 0, allocator.high_water))
+                if updated in allocator:  # an update swapped out stays on the host
+                    allocator.rename(updated, state)
+            timeline.append(MemoryPoint("commit", allocator.in_use, 0, allocator.high_water, allocator.high_water_live()))

@@ -65,7 +65,23 @@ class Commit:
     renames: tuple[tuple[str, str], ...]  # (updated output, state input)
 
 
-Step = Union[Load, RunBlock, Fetch, Commit]
+@dataclasses.dataclass(frozen=True)
+class SwapOut:
+    """Move a tensor from the arena to the host store and free it in the arena. ``copy=False``
+    drops it instead: the host already holds the same bytes (tensors are immutable values)."""
+
+    name: str
+    copy: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+    """Bring a tensor back from the host store into the arena (the host copy stays, clean)."""
+
+    name: str
+
+
+Step = Union[Load, RunBlock, Fetch, Commit, SwapOut, SwapIn]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +91,7 @@ class Program:
     state_inputs: tuple[str, ...]  # resident across steps, in placement order
     data_inputs: tuple[str, ...]
     fetches: tuple[str, ...]  # outputs returned to the caller
+    host_state: tuple[str, ...] = ()  # state kept in the host store between steps (swap plans)
 
     @property
     def max_workspace_bytes(self) -> int:

@@ -46,6 +46,16 @@ class DeviceArena:
             capacity = self.buffer.size  # never cap a growable arena below what it already has
         self.allocator.capacity = capacity
 
+    def limit(self, capacity: int) -> None:
+        """Cap the arena at ``capacity`` bytes from now on (the budget less the workspace of
+        the block about to run), compacting if live tensors reach past it. A growable arena
+        has no cap."""
+        if self.growable:
+            return
+        if capacity > self.buffer.size:
+            self._reserve(capacity)
+        self._move(self.allocator.limit(capacity))
+
     def _reserve(self, capacity: int) -> None:
         # Over-allocate by one alignment unit so offset 0 is aligned; np.empty does not touch
         # the pages, so an unused budget costs address space, not RAM.
@@ -60,27 +70,30 @@ class DeviceArena:
     # ---- tensors -------------------------------------------------------------------------
 
     def allocate(self, name: str, info: TensorInfo) -> None:
-        try:
-            self.allocator.allocate(name, info.nbytes)
-        except OutOfArenaMemory:
-            size = align_up(info.nbytes, self.alignment)
-            if self.growable:
+        if self.growable:
+            try:
+                self.allocator.allocate(name, info.nbytes)
+            except OutOfArenaMemory:
                 # Grow geometrically from the buffer (not the cap) so drift costs few copies.
+                size = align_up(info.nbytes, self.alignment)
                 self.set_capacity(max(self.buffer.size + self.buffer.size // 4, self.allocator.high_water_live() + size))
-            elif self.allocator.in_use + size <= self.capacity:
-                self.compact()  # enough bytes are free, only not in one piece
-            else:
-                raise
-            self.allocator.allocate(name, info.nbytes)
+                self.allocator.allocate(name, info.nbytes)
+        else:
+            self._move(self.allocator.allocate_or_compact(name, info.nbytes))
         self._infos[name] = info
 
     def compact(self) -> None:
-        """Close the holes by moving tensors down (in ascending order, so no move clobbers a
-        tensor not yet moved). Pointers change; block sessions rebind on the next run."""
-        for name, old, new in self.allocator.compact():
+        """Close the holes by moving tensors down. Pointers change; block sessions rebind on
+        the next run."""
+        self._move(self.allocator.compact())
+
+    def _move(self, moves) -> None:
+        """Apply compaction moves (ascending, so no move clobbers a tensor not yet moved)."""
+        for name, old, new in moves:
             nbytes = self.allocator.placement(name).nbytes
             self.buffer[new : new + nbytes] = self.buffer[old : old + nbytes]
-        self.compactions += 1
+        if moves:
+            self.compactions += 1
 
     def free(self, name: str) -> None:
         self.allocator.free(name)

@@ -32,6 +32,8 @@ class OffloadDevice:
     max_block_nodes: int | None = None
     alignment: int = DEFAULT_ALIGNMENT
     intra_op_threads: int = 0
+    # Test mode: skip planned swap-ins so the fault handler must fetch every one of them.
+    drop_prefetches: bool = False
 
     @property
     def providers(self) -> list[str]:
@@ -47,6 +49,7 @@ def set_offload_device(
     budget: str | int | Budget | None = None,
     max_block_nodes: int | None = None,
     intra_op_threads: int = 0,
+    drop_prefetches: bool = False,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
     name = str(kind).strip().lower()
@@ -61,5 +64,6 @@ def set_offload_device(
     if max_block_nodes is not None and max_block_nodes < 1:
         raise ValueError("max_block_nodes must be at least 1")
     return OffloadDevice(
-        kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads
+        kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
+        drop_prefetches=drop_prefetches,
     )

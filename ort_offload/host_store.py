@@ -16,6 +16,7 @@ class HostStore:
         self._tensors: dict[str, np.ndarray] = {}
 
     def put(self, name: str, array: np.ndarray) -> None:
+        """Store a copy of ``array`` (the caller's buffer may be reused right after)."""
         self._tensors[name] = np.array(array, copy=True, order="C")
 
     def get(self, name: str) -> np.ndarray:
@@ -23,6 +24,12 @@ class HostStore:
 
     def pop(self, name: str) -> np.ndarray:
         return self._tensors.pop(name)
+
+    def discard(self, name: str) -> None:
+        self._tensors.pop(name, None)
+
+    def rename(self, old: str, new: str) -> None:
+        self._tensors[new] = self._tensors.pop(old)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors

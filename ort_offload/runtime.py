@@ -19,9 +19,10 @@ import numpy as np
 import onnx
 
 from graph_passes import shapes
-from graph_passes.memory import MemoryTrace, simulate_program
-from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, lower
+from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.shapes import TensorInfo
+from graph_passes.swap_planner import Infeasible, SwapPlanner, apply_swap_plan, required_bytes
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory
 from ort_offload.block_session import BlockSession, default_session_options
@@ -40,6 +41,12 @@ class RuntimeStats:
     peak_device_bytes: int = 0
     plan_time_s: float = 0.0
     blocks_run: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    prefetch_hits: int = 0  # planned swap-ins done before the tensor was needed
+    faults: int = 0  # tensors a step needed that were neither resident nor on their way
+    fault_log: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, tensor)
+    swap_time_s: float = 0.0  # time spent copying (copies are synchronous for now: all stall)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,7 @@ class PreparedStep:
     infos: Mapping[str, TensorInfo]
     program: Program
     trace: MemoryTrace
+    passes: tuple[str, ...] = ()  # passes this program applies
 
 
 class Runtime:
@@ -72,20 +80,35 @@ class Runtime:
             self.budget_bytes = self.device.budget.resolve(baseline_peak_bytes)
         return self.budget_bytes
 
-    def place_state(self, state: Mapping[str, np.ndarray], order: Sequence[str], capacity: int) -> None:
-        """Put the trainer's state into a fresh arena, packed in ``order``."""
+    def place_state(
+        self, state: Mapping[str, np.ndarray], order: Sequence[str], capacity: int, *, host: Sequence[str] = ()
+    ) -> None:
+        """Put the trainer's state into a fresh arena, packed in ``order``; ``host`` names
+        state a swap plan keeps in the host store between steps."""
         # Without a budget the arena grows when it must; with one it compacts instead.
         self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None)
         for name in order:
             self.arena.store(name, state[name])
+        for name in host:
+            self.host.put(name, state[name])
+
+    def view(self, name: str) -> np.ndarray:
+        """The tensor where it is now (arena memory or the host store); do not keep it."""
+        return self.arena.view(name) if name in self.arena else self.host.get(name)
+
+    def info(self, name: str) -> TensorInfo:
+        if name in self.arena:
+            return self.arena.info(name)
+        array = self.host.get(name)
+        return TensorInfo(np.dtype(array.dtype), tuple(array.shape))
 
     def read(self, name: str) -> np.ndarray:
-        """A host copy of a resident tensor."""
-        return self.arena.view(name).copy()
+        """A copy of a state tensor, wherever it lives."""
+        return self.view(name).copy()
 
     def write(self, name: str, array: np.ndarray) -> None:
-        """Overwrite a resident tensor in place (same dtype and shape)."""
-        view = self.arena.view(name)
+        """Overwrite a state tensor in place (same dtype and shape)."""
+        view = self.view(name)
         if view.shape != array.shape or view.dtype != array.dtype:
             raise ValueError(f"{name}: expected {view.dtype}{list(view.shape)}, got {array.dtype}{list(array.shape)}")
         view[...] = array
@@ -94,7 +117,7 @@ class Runtime:
 # Block sizes tried, largest first, when the device leaves the choice to the runtime: fewer,
 # larger blocks run faster (ONNX Runtime fuses across more nodes, fewer calls); smaller ones
 # free values sooner and bound each block's workspace.
-AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32)
+AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
 
 
 def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[int]:
@@ -108,8 +131,11 @@ def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[i
 class GraphRunner:
     """Runs one training-step (or forward) graph on a :class:`Runtime`."""
 
-    def __init__(self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None, passes: Sequence[str] = ()
+    ) -> None:
         self.runtime = runtime
+        self.passes = tuple(passes)  # passes the runner may apply when the budget needs them
         self.graph = graph
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
@@ -142,6 +168,7 @@ class GraphRunner:
         budget = None
         needed = None
         chosen = None
+        programs = []
         for block_nodes in block_size_candidates(len(self.model.graph.node), self.runtime.device.max_block_nodes):
             program = lower(
                 self.model,
@@ -151,23 +178,27 @@ class GraphRunner:
                 fetches=self.fetches,
                 max_block_nodes=block_nodes,
             )
+            programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
             if needed is None:  # the largest blocks: the unplanned program
                 self.baseline_peak_bytes = trace.peak_device_bytes
                 budget = self.runtime.resolve_budget(trace.peak_device_bytes)
             needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
             if budget is None or trace.min_budget_bytes <= budget:
-                chosen = (program, trace)
+                chosen = (program, trace, ())
                 break
+        if chosen is None and "swap" in self.passes:
+            chosen, needed = self._plan_swaps(programs, infos, budget)
         if chosen is None:
+            how = "with swapping" if "swap" in self.passes else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
-                f"{self.graph.name} needs without offload passes; raise the budget to at least that",
+                f"{self.graph.name} needs {how}; raise the budget to at least that",
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
-        program, trace = chosen
-        prepared = PreparedStep(signature, infos, program, trace)
+        program, trace, applied = chosen
+        prepared = PreparedStep(signature, infos, program, trace, applied)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.last_prepared = prepared
@@ -179,12 +210,39 @@ class GraphRunner:
         )
         return prepared
 
+    def _plan_swaps(self, programs, infos, budget: int):
+        """The largest blocks for which a swap plan fits ``budget``; else (None, least budget)."""
+        alignment = self.runtime.device.alignment
+        sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
+        planner = SwapPlanner()
+        needed = None
+        for program in programs:
+            least = required_bytes(program, sizes)
+            needed = least if needed is None else min(needed, least)
+            plan = planner.plan(program, sizes, budget)
+            if isinstance(plan, Infeasible):
+                continue
+            planned = apply_swap_plan(program, plan)
+            trace = simulate_program(planned, infos, budget=budget, alignment=alignment)
+            if trace.min_budget_bytes <= budget:
+                logger.info(
+                    "swap plan for %s: %d blocks, %d swaps, %s out / %s in per step",
+                    self.graph.name, len(program.blocks), plan.swap_count,
+                    format_bytes(plan.swap_out_bytes), format_bytes(plan.swap_in_bytes),
+                )
+                return (planned, trace, ("swap",)), needed
+        return None, needed
+
+    def prepared_steps(self) -> list[PreparedStep]:
+        """Every program prepared so far (one per input signature)."""
+        return list(self._prepared.values())
+
     def capacity_for(self, prepared: PreparedStep) -> int:
         """Arena bytes for this program: the budget less the largest block workspace."""
         budget = self.runtime.budget_bytes
         if budget is None:
             return max(prepared.trace.arena_high_water, self.runtime.arena.high_water if self.runtime.arena else 0, 1)
-        return budget - prepared.program.max_workspace_bytes
+        return budget  # each block then caps the arena at the budget less its own workspace
 
     # ---- execution -------------------------------------------------------------------------
 
@@ -209,7 +267,10 @@ class GraphRunner:
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
         started = time.perf_counter()
         execution = _StepExecution(self, prepared, feeds)
-        handlers = {Load: execution.load, RunBlock: execution.run_block, Fetch: execution.fetch, Commit: execution.commit}
+        handlers = {
+            Load: execution.load, RunBlock: execution.run_block, Fetch: execution.fetch, Commit: execution.commit,
+            SwapOut: execution.swap_out, SwapIn: execution.swap_in,
+        }
         try:
             for step in prepared.program.steps:
                 handlers[type(step)](step)
@@ -223,18 +284,21 @@ class GraphRunner:
             self._abort(prepared.program)
             raise
         runtime.stats.blocks_run += len(prepared.program.blocks)
-        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, arena.high_water + execution.max_workspace)
+        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, execution.peak)
         self.step_times_s.append(time.perf_counter() - started)
         return execution.fetched
 
     def _abort(self, program: Program) -> None:
         """Free a failed step's temporaries; fail loudly if state was already consumed."""
-        arena = self.runtime.arena
-        state = set(program.state_inputs)
+        arena, host = self.runtime.arena, self.runtime.host
+        state = set(program.state_inputs) | set(program.host_state)
         for name in arena.names():
             if name not in state:
                 arena.free(name)
-        lost = [n for n in program.state_inputs if n not in arena]
+        for name in host.names():
+            if name not in state:
+                host.discard(name)
+        lost = [n for n in sorted(state) if n not in arena and n not in host]
         if lost:
             raise OffloadError(
                 f"the step failed after it had consumed state ({', '.join(lost[:3])}...); "
@@ -248,23 +312,58 @@ class _StepExecution:
 
     def __init__(self, runner: GraphRunner, prepared: PreparedStep, feeds: Mapping[str, np.ndarray]) -> None:
         self.runner = runner
+        self.runtime = runner.runtime
         self.arena = runner.runtime.arena
+        self.host = runner.runtime.host
+        self.stats = runner.runtime.stats
         self.prepared = prepared
         self.infos = prepared.infos
         self.feeds = feeds
         self.fetched: dict[str, np.ndarray] = {}
-        self.max_workspace = 0
+        self.peak = self.arena.allocator.high_water_live()  # arena extent + running workspace
+        self.budget = runner.runtime.budget_bytes
+        self.drop_prefetches = runner.runtime.device.drop_prefetches
+
+    def _cap(self, workspace: int) -> None:
+        if self.budget is not None:
+            self.arena.limit(self.budget - workspace)
+
+    def _measure(self, workspace: int) -> None:
+        self.peak = max(self.peak, self.arena.allocator.high_water_live() + workspace)
 
     def load(self, step: Load) -> None:
+        self._cap(0)
         self.arena.allocate(step.name, self.infos[step.name])
         self.arena.view(step.name)[...] = self.feeds[step.name]
+        self._measure(0)
+
+    def _ensure_resident(self, names, where: str) -> None:
+        """The tensor-fault handler: a needed tensor neither resident nor arriving is fetched
+        from the host now, and the fault is counted and logged."""
+        for name in names:
+            if name not in self.arena:
+                if name not in self.host:
+                    raise ExecutionError(f"{where} needs {name!r}, which is neither in the arena nor on the host")
+                self.stats.faults += 1
+                self.stats.fault_log.append((where, name))
+                self._copy_in(name)
+
+    def _copy_in(self, name: str) -> None:
+        started = time.perf_counter()
+        self.arena.allocate(name, self.infos[name])
+        self.arena.view(name)[...] = self.host.get(name)
+        self.stats.swap_in_bytes += self.infos[name].nbytes
+        self.stats.swap_time_s += time.perf_counter() - started
 
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena
+        session = self.runner.session(self.prepared, step.block)
+        workspace = session.block.workspace_bytes
+        self._cap(workspace)
+        self._ensure_resident(session.block.inputs, f"block {step.block}")
         for name in step.allocates:
             arena.allocate(name, self.infos[name])
-        session = self.runner.session(self.prepared, step.block)
-        self.max_workspace = max(self.max_workspace, session.block.workspace_bytes)
+        self._measure(workspace)
         pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
         try:
             session.run(pointers, self.infos)
@@ -276,14 +375,42 @@ class _StepExecution:
             ) from e
         for name in step.frees:
             arena.free(name)
+            self.host.discard(name)  # a clean host copy dies with the value
 
     def fetch(self, step: Fetch) -> None:
+        self._ensure_resident([step.name], f"fetch {step.name}")
         self.fetched[step.name] = self.arena.view(step.name).copy()
         if step.free:
             self.arena.free(step.name)
+            self.host.discard(step.name)
+
+    def swap_out(self, step: SwapOut) -> None:
+        if step.name not in self.arena:  # already out (placement from another signature's plan)
+            return
+        started = time.perf_counter()
+        if step.copy or step.name not in self.host:
+            self.host.put(step.name, self.arena.view(step.name))
+            self.stats.swap_out_bytes += self.infos[step.name].nbytes
+        self.arena.free(step.name)
+        self.stats.swap_time_s += time.perf_counter() - started
+
+    def swap_in(self, step: SwapIn) -> None:
+        if self.drop_prefetches:  # test mode: leave it to the fault handler
+            return
+        if step.name not in self.arena:  # resident already if another signature's plan kept it
+            self._cap(0)
+            self._copy_in(step.name)
+            self._measure(0)
+        self.stats.prefetch_hits += 1
 
     def commit(self, step: Commit) -> None:
         for updated, state in step.renames:
             if state in self.arena:
                 self.arena.free(state)
-            self.arena.rename(updated, state)
+            self.host.discard(state)  # the old value's host copy is stale now
+            if updated in self.arena:
+                self.arena.rename(updated, state)
+                if updated in self.host:
+                    self.host.rename(updated, state)  # a clean copy stays clean under the new name
+            else:
+                self.host.rename(updated, state)

@@ -31,7 +31,7 @@ from ort_offload.runtime import GraphRunner, Runtime
 
 logger = logging.getLogger(__name__)
 
-AVAILABLE_PASSES: tuple[str, ...] = ()  # graph passes arrive with the swap/recompute/split issues
+AVAILABLE_PASSES: tuple[str, ...] = ("swap",)  # recompute and split arrive with their issues
 PASS_CHOICES = ("auto", "none")
 CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 
@@ -39,8 +39,10 @@ CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 def resolve_passes(passes: str | Sequence[str]) -> list[str]:
     """The passes to apply: "auto" (whatever the budget needs), "none", or explicit names."""
     if isinstance(passes, str):
-        if passes in PASS_CHOICES:
-            return []  # no pass exists yet; "auto" plans nothing and the budget check decides
+        if passes == "none":
+            return []
+        if passes == "auto":
+            return list(AVAILABLE_PASSES)  # each is used only when the budget needs it
         passes = [p.strip() for p in passes.split(",") if p.strip()]
     unknown = [p for p in passes if p not in AVAILABLE_PASSES]
     if unknown:
@@ -92,12 +94,17 @@ class OrtTrainer:
         self._cache_dir = cache_dir
         self.losses: list[float] = []
         self.runtime = Runtime(device)
-        self.runner = GraphRunner(self.runtime, graph, fetches=[graph.loss_name] if graph.loss_name else None)
+        self.runner = GraphRunner(
+            self.runtime, graph, fetches=[graph.loss_name] if graph.loss_name else None, passes=self.passes
+        )
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
-        self.runtime.place_state(initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared))
+        self.runtime.place_state(
+            initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared),
+            host=prepared.program.host_state,
+        )
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -126,11 +133,11 @@ class OrtTrainer:
 
     def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
         """Check the batch against the graph (state as resident) and get the step's program."""
-        arena = self.runtime.arena
-        resident = {n: _Shaped(arena.info(n)) for n in runner.graph.state_inputs}
+        runtime = self.runtime
+        resident = {n: _Shaped(runtime.info(n)) for n in runner.graph.state_inputs}
         infos = check_inputs(runner.graph.model, {**resident, **feeds}, declared=runner.declared_inputs)
         # Real values for any shape probe: data-dependent shapes must see the actual batch.
-        return runner.prepare(infos, probe_feeds=lambda: {**{n: arena.view(n) for n in runner.graph.state_inputs}, **feeds})
+        return runner.prepare(infos, probe_feeds=lambda: {**{n: runtime.view(n) for n in runner.graph.state_inputs}, **feeds})
 
     def step(self, *batch) -> float:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""
@@ -138,7 +145,7 @@ class OrtTrainer:
         prepared = self._prepare(self.runner, feeds)
         outputs = self.runner.run(feeds, prepared)
         self._step_count += 1
-        if optimizers.STEP_INPUT in self.runtime.arena:  # the number of the next step (Adam's t)
+        if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
         if self.graph.loss_name is None:
             return float("nan")
@@ -155,7 +162,7 @@ class OrtTrainer:
                 self.model, example_inputs=[torch.from_numpy(a) for a in self._example_inputs], input_names=self.input_names,
                 dynamic_axes=self.dynamic_axes, name=self.name, cache_dir=self._cache_dir,
             )
-            self._eval_runner = GraphRunner(self.runtime, result.graph)
+            self._eval_runner = GraphRunner(self.runtime, result.graph, passes=self.passes)
         feeds = self._feeds(inputs, self.input_names)
         runner = self._eval_runner
         prepared = self._prepare(runner, feeds)
@@ -183,7 +190,7 @@ class OrtTrainer:
                 + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
             )
         for name in self.graph.state_inputs:
-            info = self.runtime.arena.info(name)
+            info = self.runtime.info(name)
             array = arrays[name]
             if array.dtype != info.dtype or tuple(array.shape) != info.shape:
                 raise CheckpointError(
@@ -256,15 +263,15 @@ class OrtTrainer:
             "within_budget": None if peak is None else (budget is None or peak <= budget),
             "steps": self._step_count,
             "losses": list(self.losses),
-            "swap_out_bytes": 0,
-            "swap_in_bytes": 0,
+            "swap_out_bytes": stats.swap_out_bytes,
+            "swap_in_bytes": stats.swap_in_bytes,
             "recomputed_nodes": 0,
             "split_nodes": 0,
-            "faults": 0,
-            "prefetch_hits": 0,
+            "faults": stats.faults,
+            "prefetch_hits": stats.prefetch_hits,
             "step_time_s_median": statistics.median(train_times) if train_times else None,
             "plan_time_s": stats.plan_time_s,
-            "passes": list(self.passes),
+            "passes": sorted({p for prepared in self.runner.prepared_steps() for p in prepared.passes}),
         }
         assert tuple(report) == REPORT_KEYS
         return report

@@ -74,10 +74,23 @@ def test_unparsable_budget(capsys):
 
 def test_budget_too_small_names_the_bytes_needed(capsys, tmp_path):
     report_path = tmp_path / "r.json"
-    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "0.5x", "--json", report_path,
-                        message="needs without offload passes")
+    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "0.5x", "--passes", "none",
+                        "--json", report_path, message="needs without offload passes")
     assert any(ch.isdigit() for ch in err)
     assert not report_path.exists()
+    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "1KiB", "--json", report_path,
+                        message="needs with swapping")
+    assert not report_path.exists()
+
+
+def test_swap_makes_half_the_budget_work(tmp_path):
+    report_path = tmp_path / "r.json"
+    assert run_cli("train", "--model", "mlp", "--budget", "0.5x", "--steps", "2", "--json", report_path,
+                   "--quiet") == 0
+    report = json.loads(report_path.read_text())
+    assert report["passes"] == ["swap"] and report["within_budget"] is True
+    assert report["peak_device_bytes"] <= report["budget_bytes"] < report["baseline_peak_bytes"]
+    assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0
 
 
 def test_malformed_and_missing_files(capsys, tmp_path):

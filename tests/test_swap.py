@@ -1,0 +1,177 @@
+"""Swap: the planner's invariants, and training under budgets below the unplanned peak with
+results bitwise equal to the unplanned run (issue: swap)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graph_passes import shapes
+from graph_passes.memory import align_up, simulate_program
+from graph_passes.program import Commit, Fetch, Load, RunBlock, SwapIn, SwapOut, lower
+from graph_passes.swap_planner import Infeasible, SwapPlanner, apply_swap_plan, required_bytes
+from graph_passes.training_graph import Role, TrainingGraph
+from helpers import train_ort
+from ort_offload.device import set_offload_device
+from ort_offload.errors import BudgetTooSmallError
+from ort_offload.runtime import GraphRunner, Runtime
+
+
+@pytest.fixture(scope="module")
+def unplanned():
+    return {name: train_ort(name, optimizer="adamw", steps=5) for name in ("mlp", "gpt", "cnn")}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+@pytest.mark.parametrize("fraction", ["0.5x", "0.25x"])
+def test_training_under_a_fraction_of_the_peak_is_bitwise_unplanned(unplanned, name, fraction):
+    reference = unplanned[name]
+    run = train_ort(name, optimizer="adamw", steps=5, budget=fraction)
+    report = run.trainer.report()
+    assert report["passes"] == ["swap"]
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0
+    assert report["faults"] == 0 and report["prefetch_hits"] > 0
+    simulated = run.trainer.runner.last_trace.peak_device_bytes
+    assert abs(simulated - report["peak_device_bytes"]) <= 0.05 * report["peak_device_bytes"]
+    assert run.losses == reference.losses
+    for key, value in reference.state.items():
+        assert run.state[key].tobytes() == value.tobytes(), key
+
+
+def test_dropped_prefetches_become_faults_with_identical_results(unplanned):
+    reference = unplanned["gpt"]
+    run = train_ort("gpt", optimizer="adamw", steps=5, budget="0.5x", drop_prefetches=True)
+    report = run.trainer.report()
+    assert report["faults"] > 0 and report["prefetch_hits"] == 0
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert run.trainer.runtime.stats.fault_log[0][0].startswith(("block", "fetch"))
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
+
+
+def test_checkpoints_hold_state_that_lives_on_the_host(tmp_path, unplanned):
+    run = train_ort("mlp", optimizer="adamw", steps=5, budget="0.25x")
+    assert run.trainer.runner.last_prepared.program.host_state  # some state starts on the host
+    path = run.trainer.save(tmp_path / "c.npz")
+    other = train_ort("mlp", optimizer="adamw", steps=1)
+    other.trainer.load(path)
+    assert all(other.trainer.state_dict()[k].tobytes() == v.tobytes() for k, v in unplanned["mlp"].state.items())
+
+
+# ---- the planner on hand-built graphs ---------------------------------------------------------
+
+def chain_graph(ops, width=16):
+    """A training-step-like chain: x through ops with a parameter w, w updated at the end."""
+    lines, last, prev = [], "x", "x"
+    for i, op in enumerate(ops):
+        out = f"v{i}"
+        if op == "MatMul":
+            lines.append(f"{out} = MatMul({last}, w)")
+        elif op in ("Add", "Mul"):
+            lines.append(f"{out} = {op}({last}, {prev})")
+        elif op == "Concat":
+            lines.append(f"c{i} = Concat<axis = 1>({last}, {prev})")
+            lines.append(f"{out} = MatMul(c{i}, w2)")
+        else:
+            lines.append(f"{out} = {op}({last})")
+        prev, last = last, out
+    text = (
+        "<ir_version: 9, opset_import: [\"\" : 20]>\n"
+        f"g (float[8, {width}] x, float[{width}, {width}] w, float[{2 * width}, {width}] w2)"
+        f" => (float loss, float[{width}, {width}] w_new) {{\n"
+        + "\n".join(lines)
+        # loss, and an update of w that reads an early activation (x) and the last one
+        + f"\n loss = ReduceSum<keepdims = 0>({last})\n s = Sigmoid({last})\n xt = Transpose(x)"
+        "\n g = MatMul(xt, s)\n w_new = Sub(w, g)\n}"
+    )
+    model = onnx.parser.parse_model(text)
+    roles = {"x": Role.INPUT, "w": Role.PARAM, "w2": Role.PARAM, "loss": Role.LOSS, "w_new": Role.PARAM}
+    return TrainingGraph(model, roles, {"w": "w_new"}, name="chain")
+
+
+def chain_feeds(width=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((8, width)).astype(np.float32),
+            "w": rng.standard_normal((width, width)).astype(np.float32) * 0.1,
+            "w2": rng.standard_normal((2 * width, width)).astype(np.float32) * 0.1}
+
+
+def run_chain(graph, feeds, budget, steps=2):
+    runtime = Runtime(set_offload_device("cpu", budget=budget))
+    runner = GraphRunner(runtime, graph, fetches=["loss"], passes=("swap",))
+    prepared = runner.prepare(shapes.check_inputs(graph.model, feeds))
+    runtime.place_state(feeds, prepared.program.state_inputs, runner.capacity_for(prepared),
+                        host=prepared.program.host_state)
+    losses = [float(runner.run({"x": feeds["x"]}, prepared)["loss"]) for _ in range(steps)]
+    return losses, {n: runtime.read(n) for n in ("w", "w2")}, runtime, prepared
+
+
+def test_the_plan_keeps_every_step_within_the_budget():
+    graph = chain_graph(["MatMul", "Relu", "MatMul", "Sigmoid", "Add", "MatMul", "Exp"])
+    feeds = chain_feeds()
+    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+    program = lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=["x"], fetches=["loss"],
+                    max_block_nodes=1)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    unplanned = simulate_program(program, infos).min_budget_bytes
+    least = required_bytes(program, sizes)
+    assert least < unplanned
+    plan = SwapPlanner().plan(program, sizes, least)
+    assert not isinstance(plan, Infeasible)
+    planned = apply_swap_plan(program, plan)
+    trace = simulate_program(planned, infos, budget=least)
+    assert trace.min_budget_bytes <= least and trace.peak_device_bytes <= least
+    # Every swapped-out tensor is back before its next use; nothing is swapped in twice.
+    resident = set(planned.state_inputs)
+    for step in planned.steps:
+        if isinstance(step, SwapOut):
+            assert step.name in resident
+            resident.discard(step.name)
+        elif isinstance(step, SwapIn):
+            assert step.name not in resident
+            resident.add(step.name)
+        elif isinstance(step, Load):
+            resident.add(step.name)
+        elif isinstance(step, Fetch):
+            assert step.name in resident
+            if step.free:
+                resident.discard(step.name)
+        elif isinstance(step, RunBlock):
+            assert set(planned.blocks[step.block].inputs) <= resident
+            resident |= set(step.allocates)
+            resident -= set(step.frees)
+        elif isinstance(step, Commit):
+            for updated, state in step.renames:
+                resident.discard(state)
+                if updated in resident:
+                    resident.discard(updated)
+                    resident.add(state)
+    assert isinstance(SwapPlanner().plan(program, sizes, least - 64), Infeasible)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["Relu", "Sigmoid", "Neg", "Exp", "MatMul", "Add", "Mul", "Concat"]),
+                min_size=1, max_size=10),
+       st.floats(0.0, 1.0))
+def test_random_graphs_and_budgets_are_exact_or_refused_with_a_minimum_that_plans(ops, position):
+    graph = chain_graph(ops)
+    feeds = chain_feeds()
+    expected_losses, expected_state, unplanned_runtime, prepared = run_chain(graph, feeds, None)
+    top = prepared.trace.peak_device_bytes
+    budget = max(4096, int(position * top))
+    try:
+        losses, state, runtime, _ = run_chain(graph, feeds, budget)
+    except BudgetTooSmallError as e:
+        losses, state, runtime, _ = run_chain(graph, feeds, e.needed_bytes)
+        budget = e.needed_bytes
+    assert losses == expected_losses
+    assert all(state[k].tobytes() == expected_state[k].tobytes() for k in state)
+    assert runtime.stats.peak_device_bytes <= budget
+    reference = ort.InferenceSession(graph.model.SerializeToString()).run(["loss"], feeds)[0]
+    assert np.float32(expected_losses[0]) == reference
