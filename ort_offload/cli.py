@@ -20,7 +20,8 @@ EXIT_USAGE = 2
 def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None, help="device budget: bytes, 64MiB, 1.5GiB or 0.5x of the unplanned peak (default: unlimited)")
     parser.add_argument("--steps", type=int, default=5, help="training steps to run (default 5)")
-    parser.add_argument("--passes", default="auto", help="auto (what the budget needs) or none")
+    parser.add_argument("--passes", default="auto",
+                        help="auto (what the budget needs), none, or a comma list of passes (swap)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
@@ -205,9 +206,8 @@ def _finish(trainer, args, extra: dict) -> int:
 
     report = trainer.report()
     if args.plot_path:
-        trace = trainer.runner.last_trace
-        plot_timeline(args.plot_path, baseline=trace, planned=trace, budget_bytes=report["budget_bytes"],
-                      title=f"{report['model']}: device bytes over one step")
+        plot_timeline(args.plot_path, baseline=trainer.runner.baseline_trace, planned=trainer.runner.last_trace,
+                      budget_bytes=report["budget_bytes"], title=f"{report['model']}: device bytes over one step")
     if args.json_path:
         write_json({**report, **extra}, args.json_path)
     if not args.quiet:

@@ -28,6 +28,7 @@ REPORT_KEYS = (
     "step_time_s_median",
     "plan_time_s",
     "passes",
+    "stall_time_s",  # extension: compute time lost waiting for swap copies (all copy time while copies are synchronous)
 )
 
 
@@ -78,6 +79,10 @@ def _format_value(key: str, value: Any) -> str:
     return str(value)
 
 
+def _progress(count: int) -> list[float]:
+    return [i / max(count - 1, 1) for i in range(count)]
+
+
 def plot_timeline(
     path: str | os.PathLike,
     *,
@@ -101,10 +106,16 @@ def plot_timeline(
         if trace is None:
             continue
         ys = [(p.in_use + p.workspace) / 2**20 for p in trace.timeline]
-        ax.step(range(len(ys)), ys, style, where="post", label=f"{label} (peak {format_bytes(trace.peak_device_bytes)})")
+        ax.step(_progress(len(ys)), ys, style, where="post", label=f"{label} (peak {format_bytes(trace.peak_device_bytes)})")
+    if planned is not None:
+        # Mark where the planned program copies tensors back in (swap-outs free memory in between).
+        xs = _progress(len(planned.timeline))
+        swap_ins = [(xs[i], (p.in_use + p.workspace) / 2**20) for i, p in enumerate(planned.timeline) if p.label.startswith("swap in")]
+        if swap_ins:
+            ax.scatter(*zip(*swap_ins), marker="^", s=12, color="tab:green", label="swap in", zorder=3)
     if budget_bytes is not None:
         ax.axhline(budget_bytes / 2**20, color="red", linewidth=1, label=f"budget {format_bytes(budget_bytes)}")
-    ax.set_xlabel("program step (load / block / commit)")
+    ax.set_xlabel("progress through the step (programs differ in length: each is scaled to 0..1)")
     ax.set_ylabel("device MiB")
     ax.set_title(title)
     ax.legend(loc="best")

@@ -143,6 +143,7 @@ class GraphRunner:
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
         self.last_prepared: PreparedStep | None = None
+        self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
         self.step_times_s: list[float] = []
         self.declared_inputs = shapes.declared_inputs(graph.model)
 
@@ -182,6 +183,7 @@ class GraphRunner:
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
             if needed is None:  # the largest blocks: the unplanned program
                 self.baseline_peak_bytes = trace.peak_device_bytes
+                self.baseline_trace = trace
                 budget = self.runtime.resolve_budget(trace.peak_device_bytes)
             needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
             if budget is None or trace.min_budget_bytes <= budget:

@@ -272,6 +272,7 @@ class OrtTrainer:
             "step_time_s_median": statistics.median(train_times) if train_times else None,
             "plan_time_s": stats.plan_time_s,
             "passes": sorted({p for prepared in self.runner.prepared_steps() for p in prepared.passes}),
+            "stall_time_s": stats.swap_time_s,
         }
         assert tuple(report) == REPORT_KEYS
         return report
