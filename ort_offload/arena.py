@@ -22,6 +22,7 @@ class DeviceArena:
     def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, growable: bool = False) -> None:
         self.alignment = alignment
         self.growable = growable
+        self.before_move = None  # called before bytes move (compaction, growth): copies must finish first
         self.allocator = BestFitAllocator(capacity, alignment=alignment)
         self._raw = np.empty(0, dtype=np.uint8)
         self.buffer = self._raw
@@ -59,6 +60,8 @@ class DeviceArena:
     def _reserve(self, capacity: int) -> None:
         # Over-allocate by one alignment unit so offset 0 is aligned; np.empty does not touch
         # the pages, so an unused budget costs address space, not RAM.
+        if self.before_move is not None and self.allocator.in_use:
+            self.before_move()  # the buffer is about to be replaced: no copy may be writing into it
         raw = np.empty(capacity + self.alignment, dtype=np.uint8)
         shift = (-raw.ctypes.data) % self.alignment
         buffer = raw[shift : shift + capacity]
@@ -89,6 +92,8 @@ class DeviceArena:
 
     def _move(self, moves) -> None:
         """Apply compaction moves (ascending, so no move clobbers a tensor not yet moved)."""
+        if moves and self.before_move is not None:
+            self.before_move()
         for name, old, new in moves:
             nbytes = self.allocator.placement(name).nbytes
             self.buffer[new : new + nbytes] = self.buffer[old : old + nbytes]

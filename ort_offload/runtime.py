@@ -27,6 +27,7 @@ from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory
 from ort_offload.block_session import BlockSession, default_session_options
 from ort_offload.budget import format_bytes
+from ort_offload.copy_engine import CopyEngine
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.host_store import HostStore
@@ -43,10 +44,11 @@ class RuntimeStats:
     blocks_run: int = 0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
-    prefetch_hits: int = 0  # planned swap-ins done before the tensor was needed
+    swap_ins: int = 0  # planned swap-ins issued
+    prefetch_hits: int = 0  # planned swap-ins whose copy had finished when the tensor was needed
     faults: int = 0  # tensors a step needed that were neither resident nor on their way
     fault_log: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, tensor)
-    swap_time_s: float = 0.0  # time spent copying (copies are synchronous for now: all stall)
+    swap_time_s: float = 0.0  # compute stalled on copies: synchronous swap-outs and faults, waits on swap-ins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Runtime:
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
+        self.copy_engine = CopyEngine()
 
     def session_options(self, *, spinning: bool):
         """Options for a block session; spinning only pays off when one session runs alone."""
@@ -276,13 +279,16 @@ class GraphRunner:
         try:
             for step in prepared.program.steps:
                 handlers[type(step)](step)
+            execution.finish()
         except OutOfArenaMemory as e:
+            execution.finish()
             self._abort(prepared.program)
             raise BudgetTooSmallError(
                 f"arena full while running {self.graph.name}: {e}; raise the budget",
                 needed_bytes=arena.in_use + e.nbytes, budget_bytes=runtime.budget_bytes or 0,
             ) from e
         except Exception:
+            execution.finish()
             self._abort(prepared.program)
             raise
         runtime.stats.blocks_run += len(prepared.program.blocks)
@@ -325,6 +331,17 @@ class _StepExecution:
         self.peak = self.arena.allocator.high_water_live()  # arena extent + running workspace
         self.budget = runner.runtime.budget_bytes
         self.drop_prefetches = runner.runtime.device.drop_prefetches
+        self.copies = runner.runtime.copy_engine
+        # Compaction moves bytes: no copy may be writing into the arena while it does.
+        self.arena.before_move = self._drain
+
+    def _drain(self) -> None:
+        self.stats.swap_time_s += self.copies.drain()
+
+    def finish(self) -> None:
+        """End of the step (or of a failed one): every copy done, no hook left behind."""
+        self._drain()
+        self.arena.before_move = None
 
     def _cap(self, workspace: int) -> None:
         if self.budget is not None:
@@ -340,10 +357,14 @@ class _StepExecution:
         self._measure(0)
 
     def _ensure_resident(self, names, where: str) -> None:
-        """The tensor-fault handler: a needed tensor neither resident nor arriving is fetched
-        from the host now, and the fault is counted and logged."""
+        """Wait for inputs still being copied in; the tensor-fault handler fetches a needed
+        tensor neither resident nor arriving from the host now, and counts and logs the fault."""
         for name in names:
-            if name not in self.arena:
+            if self.copies.in_flight(name):
+                waited, arrived = self.copies.wait(name)
+                self.stats.swap_time_s += waited
+                self.stats.prefetch_hits += arrived
+            elif name not in self.arena:
                 if name not in self.host:
                     raise ExecutionError(f"{where} needs {name!r}, which is neither in the arena nor on the host")
                 self.stats.faults += 1
@@ -389,6 +410,8 @@ class _StepExecution:
     def swap_out(self, step: SwapOut) -> None:
         if step.name not in self.arena:  # already out (placement from another signature's plan)
             return
+        if self.copies.in_flight(step.name):
+            self.stats.swap_time_s += self.copies.wait(step.name)[0]
         started = time.perf_counter()
         if step.copy or step.name not in self.host:
             self.host.put(step.name, self.arena.view(step.name))
@@ -401,11 +424,15 @@ class _StepExecution:
             return
         if step.name not in self.arena:  # resident already if another signature's plan kept it
             self._cap(0)
-            self._copy_in(step.name)
+            self.arena.allocate(step.name, self.infos[step.name])  # bytes reserved at issue
+            target, source = self.arena.view(step.name), self.host.get(step.name)
+            self.copies.submit(step.name, lambda: np.copyto(target, source))
+            self.stats.swap_ins += 1
+            self.stats.swap_in_bytes += self.infos[step.name].nbytes
             self._measure(0)
-        self.stats.prefetch_hits += 1
 
     def commit(self, step: Commit) -> None:
+        self._drain()
         for updated, state in step.renames:
             if state in self.arena:
                 self.arena.free(state)
