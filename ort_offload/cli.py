@@ -1,7 +1,8 @@
-"""The ``ort-offload`` command line: ``train``, ``export``, ``run``.
+"""The ``ort-offload`` command line: ``train``, ``export``, ``run``, ``transform``, ``inspect``.
 
 ``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
-model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget.
+model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget;
+``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph.
 Every user error prints one line and exits with code 2; nothing is left half-written.
 """
 
@@ -57,6 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, help="output .onnx path")
     export.add_argument("--cache-dir", default=None)
 
+    transform = sub.add_parser("transform", help="plan a training-step ONNX graph for a budget and write the plan into it")
+    transform.add_argument("graph", help="training-step .onnx file")
+    transform.add_argument("-o", "--output", required=True, help="rewritten .onnx path")
+    transform.add_argument("--budget", required=True, help="device budget: bytes, 64MiB or 0.5x of the unplanned peak")
+    transform.add_argument("--passes", default="auto", help="auto, none, or a comma list (swap)")
+    transform.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
+                           help="concrete shape of an input with symbolic dims (repeatable)")
+    transform.add_argument("--report", dest="json_path", default=None, help="write what changed and why as JSON")
+    transform.add_argument("--plot", dest="plot_path", default=None, help="PNG of device bytes, before and after")
+    transform.add_argument("--device", default="cpu")
+
+    inspect = sub.add_parser("inspect", help="summarise a training-step ONNX graph")
+    inspect.add_argument("graph", help="training-step .onnx file")
+    inspect.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE")
+    inspect.add_argument("--json", dest="json_path", default=None)
+
     run = sub.add_parser("run", help="execute a training-step ONNX graph under a budget")
     run.add_argument("graph", help="training-step .onnx file")
     run.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
@@ -80,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "transform":
+            return _transform(args)
+        if args.command == "inspect":
+            return _inspect(args)
         return _run(args)
     except (OffloadError, ZooUnknownModel) as e:
         print(f"ort-offload: error: {e}", file=sys.stderr)
@@ -237,9 +258,57 @@ def _export(args) -> int:
     return 0
 
 
-def _run(args) -> int:
+def _load_graph(path):
     from graph_passes.training_graph import TrainingGraph
     from graph_passes.validate import check_supported_ops, load_model
+
+    model = load_model(path)
+    check_supported_ops(model)
+    return TrainingGraph.from_model(model, name=Path(path).stem)
+
+
+def _transform(args) -> int:
+    from ort_offload.graph_inputs import parse_input_shapes
+    from ort_offload.report import plot_timeline, write_json
+    from ort_offload.trainer import resolve_passes
+    from ort_offload.transform import transform
+
+    _check_outputs_writable(args.output, args.json_path, args.plot_path)
+    device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None))
+    graph = _load_graph(args.graph)
+    result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
+    result.graph.save(args.output)
+    if args.json_path:
+        write_json(result.report, args.json_path)
+    if args.plot_path:
+        plot_timeline(args.plot_path, baseline=None, planned=result.prepared.trace,
+                      budget_bytes=result.report["budget_bytes"], title=f"{graph.name}: planned device bytes")
+    report = result.report
+    print(f"wrote {args.output}: {report['nodes_before']} -> {report['nodes_after']} nodes, "
+          f"peak {report['baseline_peak_bytes']} -> {report['planned_peak_bytes']} bytes "
+          f"(budget {report['budget_bytes']}), passes {', '.join(report['passes']) or 'none'}, "
+          f"{len(report['swaps'])} swaps")
+    return 0
+
+
+def _inspect(args) -> int:
+    import json
+
+    from ort_offload.graph_inputs import parse_input_shapes
+    from ort_offload.report import write_json
+    from ort_offload.transform import inspect_graph
+
+    _check_outputs_writable(args.json_path)
+    graph = _load_graph(args.graph)
+    shapes = parse_input_shapes(args.input) if args.input else None
+    summary = inspect_graph(graph, _device(argparse.Namespace(device="cpu", budget=None, block_nodes=None)), shapes)
+    if args.json_path:
+        write_json(summary, args.json_path)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _run(args) -> int:
     from ort_offload.errors import OffloadError
     from ort_offload.graph_inputs import parse_input_shapes, random_batch, random_state
     from ort_offload.trainer import OrtTrainer, resolve_passes
@@ -249,9 +318,7 @@ def _run(args) -> int:
         raise OffloadError("--steps must be at least 1")
     device = _device(args)
     passes = resolve_passes(args.passes)
-    model = load_model(args.graph)
-    check_supported_ops(model)
-    graph = TrainingGraph.from_model(model, name=Path(args.graph).stem)
+    graph = _load_graph(args.graph)
     shapes = parse_input_shapes(args.input)
     state = random_state(graph, seed=args.seed)
     batches = [random_batch(graph, shapes, seed=args.seed * 100003 + step) for step in range(args.steps)]

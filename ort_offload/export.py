@@ -37,7 +37,7 @@ from ort_offload.errors import ExportError, InputMismatchError
 logger = logging.getLogger(__name__)
 
 OPSET_VERSION = 20
-EXPORTER_VERSION = "4"  # bump when the exported graph's layout changes: invalidates caches
+EXPORTER_VERSION = "5"  # bump when the exported graph's layout changes: invalidates caches
 LOSS_OUTPUT = "loss"
 CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"
 
@@ -493,16 +493,16 @@ def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mappi
 
 
 def _name_dynamic_dims(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> None:
-    """Rename torch's symbols (s0, s17, ...) of the batch and sequence axes to "batch"/"seq"
-    everywhere in the graph, so shapes read as users wrote them."""
+    """Rename torch's symbols (s0, s17, ...) of the batch and sequence axes to the user's tags
+    ("batch", "seq") everywhere in the graph. Axes with the same tag share one name: the user
+    said they are the same size (torch may have kept separate symbols for them)."""
     inputs = {v.name: v for v in model.graph.input}
     renames: dict[str, str] = {}
     for input_name, tags in axes.items():
         dims = inputs[input_name].type.tensor_type.shape.dim if input_name in inputs else []
         for axis, tag in tags.items():
             if axis < len(dims) and dims[axis].dim_param and dims[axis].dim_param not in renames:
-                taken = set(renames.values())
-                renames[dims[axis].dim_param] = tag if tag not in taken else f"{tag}{len(taken)}"
+                renames[dims[axis].dim_param] = tag
     if not renames:
         return
     for value in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):

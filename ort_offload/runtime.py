@@ -22,7 +22,7 @@ from graph_passes import shapes
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
 from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.shapes import TensorInfo
-from graph_passes.swap_planner import Infeasible, SwapPlanner, apply_swap_plan, required_bytes
+from graph_passes.swap_planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan, required_bytes
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory
 from ort_offload.block_session import BlockSession, default_session_options
@@ -60,6 +60,8 @@ class PreparedStep:
     program: Program
     trace: MemoryTrace
     passes: tuple[str, ...] = ()  # passes this program applies
+    base_program: Program | None = None  # the lowering the swap plan was made for
+    swap_plan: SwapPlan | None = None
 
 
 class Runtime:
@@ -190,7 +192,7 @@ class GraphRunner:
                 budget = self.runtime.resolve_budget(trace.peak_device_bytes)
             needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
             if budget is None or trace.min_budget_bytes <= budget:
-                chosen = (program, trace, ())
+                chosen = (program, trace, (), program, None)
                 break
         if chosen is None and "swap" in self.passes:
             chosen, needed = self._plan_swaps(programs, infos, budget)
@@ -202,8 +204,8 @@ class GraphRunner:
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
-        program, trace, applied = chosen
-        prepared = PreparedStep(signature, infos, program, trace, applied)
+        program, trace, applied, base, plan = chosen
+        prepared = PreparedStep(signature, infos, program, trace, applied, base, plan)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.last_prepared = prepared
@@ -235,7 +237,7 @@ class GraphRunner:
                     self.graph.name, len(program.blocks), plan.swap_count,
                     format_bytes(plan.swap_out_bytes), format_bytes(plan.swap_in_bytes),
                 )
-                return (planned, trace, ("swap",)), needed
+                return (planned, trace, ("swap",), program, plan), needed
         return None, needed
 
     def prepared_steps(self) -> list[PreparedStep]:
