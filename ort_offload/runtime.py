@@ -20,6 +20,7 @@ import onnx
 
 from graph_passes import shapes
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.prefetch import hoist_swap_ins
 from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.shapes import TensorInfo
 from graph_passes.swap_planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan, required_bytes
@@ -229,7 +230,8 @@ class GraphRunner:
             plan = planner.plan(program, sizes, budget)
             if isinstance(plan, Infeasible):
                 continue
-            planned = apply_swap_plan(program, plan)
+            # Swap-ins move as early as memory allows, so their copies overlap compute.
+            planned = hoist_swap_ins(apply_swap_plan(program, plan), infos, budget=budget, alignment=alignment)
             trace = simulate_program(planned, infos, budget=budget, alignment=alignment)
             if trace.min_budget_bytes <= budget:
                 logger.info(
