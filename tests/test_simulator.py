@@ -166,10 +166,15 @@ def _run(graph, feeds, budget, *, hoist, steps=3):
     runtime = Runtime(set_offload_device("cpu", budget=budget, max_block_nodes=1))
     runner = GraphRunner(runtime, graph, fetches=["loss"], passes=("swap",))
     prepared = runner.prepare(shapes.check_inputs(graph.model, feeds))
-    if hoist:
-        hoisted = hoist_swap_ins(prepared.program, prepared.infos, budget=runtime.budget_bytes)
-        assert hoisted.steps != prepared.program.steps
-        prepared = dataclasses.replace(prepared, program=hoisted)
+    if prepared.swap_plan is not None:
+        just_in_time = apply_swap_plan(prepared.base_program, prepared.swap_plan)
+        if hoist:  # the runtime hoists its swap-ins itself
+            assert prepared.program.steps != just_in_time.steps
+            _same_steps_but_swap_ins(just_in_time, prepared.program)
+        else:
+            prepared = dataclasses.replace(prepared, program=just_in_time)
+    else:
+        assert not hoist
     runtime.place_state(feeds, prepared.program.state_inputs, runner.capacity_for(prepared),
                         host=prepared.program.host_state)
     losses = [float(runner.run({"x": feeds["x"]}, prepared)["loss"]) for _ in range(steps)]
