@@ -98,6 +98,19 @@ class Program:
         return max((b.workspace_bytes for b in self.blocks), default=0)
 
 
+_REDUCING_SCATTERS = ("ScatterND", "ScatterElements")
+
+
+def is_order_dependent(node: onnx.NodeProto) -> bool:
+    """A node whose result depends on the order threads accumulate in: a scatter that reduces
+    duplicate indices (the embedding gradient). ONNX Runtime runs it differently from run to
+    run with several threads, so the runtime gives it a single-threaded block of its own."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in _REDUCING_SCATTERS:
+        return False
+    reduction = next((a.s.decode() for a in node.attribute if a.name == "reduction"), "none")
+    return reduction != "none"
+
+
 def partition(num_nodes: int, max_block_nodes: int = DEFAULT_BLOCK_NODES) -> list[tuple[int, ...]]:
     """Cut positions ``0..num_nodes-1`` into consecutive chunks of at most ``max_block_nodes``,
     sized evenly so the last block is not a sliver."""
@@ -117,8 +130,12 @@ def lower(
     fetches: Sequence[str] | None = None,
     max_block_nodes: int = DEFAULT_BLOCK_NODES,
     schedule: Sequence[int] | None = None,
+    swap_points=None,
 ) -> Program:
-    """Lower ``model`` into blocks and steps for one input signature (``infos``)."""
+    """Lower ``model`` into blocks and steps for one input signature (``infos``).
+
+    ``swap_points`` (:class:`graph_passes.swap_nodes.SwapPoints`, for a graph whose swap nodes
+    were read back) adds swap steps at fixed node positions; blocks are cut there."""
     graph = model.graph
     nodes = list(graph.node)
     order = list(range(len(nodes))) if schedule is None else list(schedule)
@@ -130,7 +147,14 @@ def lower(
     fetches = tuple(fetches if fetches is not None else [o for o in outputs if o not in state_pairs.values()])
     state_inputs = tuple(n for n in graph_inputs if n not in set(data_inputs))
 
-    chunks = partition(len(order), max_block_nodes)
+    cuts = {k for k, _ in swap_points.before if 0 < k < len(order)} if swap_points else set()
+    for position, node_index in enumerate(order):
+        if is_order_dependent(nodes[node_index]):  # its own block, run single-threaded
+            cuts |= {position, position + 1}
+    cuts = sorted(k for k in cuts if 0 < k < len(order))
+    chunks = []
+    for start, end in zip([0] + cuts, cuts + [len(order)]):
+        chunks += [tuple(start + p for p in chunk) for chunk in partition(end - start, max_block_nodes)]
     block_of_position = {}
     for b, chunk in enumerate(chunks):
         for position in chunk:
@@ -179,15 +203,22 @@ def lower(
         resident = producer_block[name] < b  # crossed a block boundary, so it lives in the arena
         if b >= 0 and resident and name not in output_set and name not in persistent:
             frees_by_block.setdefault(b, []).append(name)
+    swaps_at = dict(swap_points.before) if swap_points else {}
     first_run = True
-    for block in blocks:
-        frees = tuple(sorted(frees_by_block.get(block.index, []), key=_stable_order(graph_inputs, nodes)))
+    rank = _stable_order(graph_inputs, nodes)
+    for block, chunk in zip(blocks, chunks):
+        steps.extend(swaps_at.get(chunk[0], ()))
+        frees = tuple(sorted(frees_by_block.get(block.index, []), key=rank))
         if first_run:
             frees = tuple(dead_after_load) + frees
             first_run = False
         steps.append(RunBlock(block.index, block.outputs, frees))
+    # Swaps after the last node: swap-ins serve the fetches, swap-outs move the final state.
+    at_end = swaps_at.get(len(order), ())
+    steps.extend(s for s in at_end if isinstance(s, SwapIn))
     for name in fetches:
         steps.append(Fetch(name, free=name not in state_pairs.values()))
+    steps.extend(s for s in at_end if not isinstance(s, SwapIn))
     renames = tuple((out, inp) for inp, out in state_pairs.items())
     for out, inp in renames:
         if infos[out].dtype != infos[inp].dtype or infos[out].shape != infos[inp].shape:
@@ -197,7 +228,11 @@ def lower(
             )
     if renames:
         steps.append(Commit(renames))
-    return Program(tuple(blocks), tuple(steps), state_inputs, tuple(n for n in graph_inputs if n in set(data_inputs)), fetches)
+    host_state = tuple(swap_points.host_state) if swap_points else ()
+    return Program(
+        tuple(blocks), tuple(steps), tuple(n for n in state_inputs if n not in host_state),
+        tuple(n for n in graph_inputs if n in set(data_inputs)), fetches, host_state,
+    )
 
 
 def _stable_order(graph_inputs: Sequence[str], nodes: Sequence[onnx.NodeProto]):

@@ -27,6 +27,7 @@ from graph_passes.program import Program, RunBlock, SwapIn, SwapOut
 from graph_passes.swap_planner import SwapPlan, apply_swap_plan
 
 PASS_NAME = "swap"
+DROP_KEY = "ort_offload.drop"  # on a SwapOut whose value the host already holds: release, no copy
 
 
 class SwapPass(onnx_ir.passes.FunctionalPass):
@@ -68,8 +69,7 @@ def write_swap_plan(model: onnx.ModelProto, program: Program, plan: SwapPlan) ->
     swaps_of: dict[str, int] = {}
     for _, swaps in plan.before:
         for swap in swaps:
-            if isinstance(swap, SwapIn) or swap.copy:
-                swaps_of[swap.name] = swaps_of.get(swap.name, 0) + 1
+            swaps_of[swap.name] = swaps_of.get(swap.name, 0) + 1
     # A swapped graph output keeps its name on its last copy; its producer gets a device name.
     renamed_outputs = {name: f"{name}__dev" for name in outputs if name in swaps_of}
     current = {name: renamed_outputs.get(name, name) for name in _all_values(graph)}
@@ -91,11 +91,14 @@ def write_swap_plan(model: onnx.ModelProto, program: Program, plan: SwapPlan) ->
         nonlocal token
         for swap in before.get(index, ()):
             if isinstance(swap, SwapOut):
-                if swap.copy:
-                    out = fresh(swap.name, "host")
-                    new_nodes.append(make_swap_out(current[swap.name], out_name=out, provenance=PASS_NAME,
-                                                   reason=f"evicted for the budget before step {index}"))
-                    host[swap.name] = out
+                out = fresh(swap.name, "host")
+                reason = (f"evicted for the budget before step {index}" if swap.copy
+                          else f"dropped before step {index}: the host copy is current")
+                node = make_swap_out(current[swap.name], out_name=out, provenance=PASS_NAME, reason=reason)
+                if not swap.copy:
+                    node.metadata_props.add(key=DROP_KEY, value="1")
+                new_nodes.append(node)
+                host[swap.name] = out
                 current[swap.name] = None
             else:
                 out = fresh(swap.name, "in")

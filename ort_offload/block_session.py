@@ -99,6 +99,9 @@ def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
+    # Bitwise-reproducible steps: without it, multi-threaded reductions (e.g. the embedding
+    # gradient's scatter-add) sum in varying order and two identical runs drift apart.
+    options.use_deterministic_compute = True
     # Every block is its own session with its own intra-op pool; pools that spin after their
     # block finishes steal the cores the next block needs (gpt small, 13 blocks, 2 cores:
     # 0.76 s/step spinning vs 0.29 s not). A program of one block keeps ORT's default.

@@ -21,8 +21,9 @@ import onnx
 from graph_passes import shapes
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
 from graph_passes.prefetch import hoist_swap_ins
-from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
+from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower
 from graph_passes.shapes import TensorInfo
+from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.swap_planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan, required_bytes
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory
@@ -76,9 +77,11 @@ class Runtime:
         self.stats = RuntimeStats()
         self.copy_engine = CopyEngine()
 
-    def session_options(self, *, spinning: bool):
-        """Options for a block session; spinning only pays off when one session runs alone."""
-        return default_session_options(intra_op_threads=self.device.intra_op_threads, spinning=spinning)
+    def session_options(self, *, spinning: bool, serial: bool = False):
+        """Options for a block session; spinning only pays off when one session runs alone,
+        and order-dependent blocks run on one thread so every run sums in the same order."""
+        threads = 1 if serial else self.device.intra_op_threads
+        return default_session_options(intra_op_threads=threads, spinning=spinning)
 
     def resolve_budget(self, baseline_peak_bytes: int) -> int | None:
         """Bytes of the budget; a fraction resolves against the first unplanned peak seen."""
@@ -142,6 +145,13 @@ class GraphRunner:
     ) -> None:
         self.runtime = runtime
         self.passes = tuple(passes)  # passes the runner may apply when the budget needs them
+        # A graph that already carries swap nodes (from `ort-offload transform`) runs its own
+        # swaps: the runner executes the standard nodes and turns the swap nodes into steps.
+        self.swap_points = None
+        self.model = graph.model
+        if has_swap_nodes(graph.model):
+            self.model, self.swap_points = canonicalize(graph.model)
+            self.passes = ()
         self.graph = graph
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
@@ -151,11 +161,7 @@ class GraphRunner:
         self.last_prepared: PreparedStep | None = None
         self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
         self.step_times_s: list[float] = []
-        self.declared_inputs = shapes.declared_inputs(graph.model)
-
-    @property
-    def model(self) -> onnx.ModelProto:
-        return self.graph.model
+        self.declared_inputs = shapes.declared_inputs(self.model)
 
     # ---- planning --------------------------------------------------------------------------
 
@@ -184,6 +190,7 @@ class GraphRunner:
                 data_inputs=self.graph.data_inputs,
                 fetches=self.fetches,
                 max_block_nodes=block_nodes,
+                swap_points=self.swap_points,
             )
             programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
@@ -261,9 +268,10 @@ class GraphRunner:
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
             single = len(prepared.program.blocks) == 1
+            serial = any(is_order_dependent(self.model.graph.node[i]) for i in block.node_indices)
             session = BlockSession(
                 self.model, block, elem_types,
-                session_options=self.runtime.session_options(spinning=single),
+                session_options=self.runtime.session_options(spinning=single, serial=serial),
                 providers=self.runtime.device.providers,
             )
             self._sessions[block.node_indices] = session

@@ -51,3 +51,34 @@ def test_rewritten_step_runs_in_stock_onnxruntime_with_the_same_numbers(name, bl
     expected, got = run_session(graph.model), run_session(rewritten)
     for key, value in expected.items():
         np.testing.assert_array_equal(got[key], value)
+
+
+def test_the_runtime_executes_a_rewritten_graph_with_real_swaps():
+    """`ort-offload transform` output run by our runtime: the swap nodes become swap steps."""
+    from graph_passes.training_graph import TrainingGraph
+    from ort_offload.device import set_offload_device
+    from ort_offload.graph_inputs import random_batch, random_state
+    from ort_offload.trainer import OrtTrainer
+    from ort_offload.transform import transform
+
+    run = train_ort("gpt", optimizer="adamw", steps=1)
+    graph = TrainingGraph.from_model(run.trainer.graph.with_metadata())
+    shapes_ = {"ids": (8, 16), "targets": (8, 16)}
+    result = transform(graph, set_offload_device("cpu", budget="0.3x"), shapes_, ("swap",))
+    budget = result.report["budget_bytes"]
+    state = random_state(graph)
+    data = [random_batch(graph, shapes_, seed=s) for s in range(3)]
+
+    def train(g, device):
+        trainer = OrtTrainer(device, g, initial_state=state, example_batch=data[0],
+                             input_names=g.data_inputs, target_names=[])
+        losses = [trainer.step(*(b[n] for n in g.data_inputs)) for b in data]
+        return trainer, losses, trainer.state_dict()
+
+    _, expected_losses, expected_state = train(graph, set_offload_device("cpu"))
+    trainer, losses, state_after = train(result.graph, set_offload_device("cpu", budget=budget))
+    report = trainer.report()
+    assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0 and report["faults"] == 0
+    assert report["peak_device_bytes"] <= budget
+    assert losses == expected_losses
+    assert all(state_after[k].tobytes() == v.tobytes() for k, v in expected_state.items())
