@@ -171,8 +171,9 @@ def test_random_graphs_and_budgets_are_exact_or_refused_with_a_minimum_that_plan
     except BudgetTooSmallError as e:
         losses, state, runtime, _ = run_chain(graph, feeds, e.needed_bytes)
         budget = e.needed_bytes
-    assert losses == expected_losses
+    # Bytes, not ==: overflowing chains (Exp of Exp) give NaN, which must match too.
+    assert np.array(losses).tobytes() == np.array(expected_losses).tobytes()
     assert all(state[k].tobytes() == expected_state[k].tobytes() for k in state)
     assert runtime.stats.peak_device_bytes <= budget
     reference = ort.InferenceSession(graph.model.SerializeToString()).run(["loss"], feeds)[0]
-    assert np.float32(expected_losses[0]) == reference
+    assert np.float32(expected_losses[0]).tobytes() == np.asarray(reference, dtype=np.float32).tobytes()
