@@ -111,6 +111,22 @@ def is_order_dependent(node: onnx.NodeProto) -> bool:
     return reduction != "none"
 
 
+def order_dependent_last(model: onnx.ModelProto) -> list[int] | None:
+    """A schedule that runs order-dependent nodes (and everything that depends on them) after
+    all other nodes, so the rest stays one multi-threaded block; None if there are none."""
+    nodes = list(model.graph.node)
+    tainted: set[str] = set()
+    late: list[int] = []
+    early: list[int] = []
+    for index, node in enumerate(nodes):
+        if is_order_dependent(node) or any(name in tainted for name in consumed_names(node)):
+            tainted.update(o for o in node.output if o)
+            late.append(index)
+        else:
+            early.append(index)
+    return early + late if late else None
+
+
 def partition(num_nodes: int, max_block_nodes: int = DEFAULT_BLOCK_NODES) -> list[tuple[int, ...]]:
     """Cut positions ``0..num_nodes-1`` into consecutive chunks of at most ``max_block_nodes``,
     sized evenly so the last block is not a sliver."""

@@ -21,7 +21,9 @@ import onnx
 from graph_passes import shapes
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
 from graph_passes.prefetch import hoist_swap_ins
-from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower
+from graph_passes.program import (
+    Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
+)
 from graph_passes.shapes import TensorInfo
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.swap_planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan, required_bytes
@@ -152,6 +154,9 @@ class GraphRunner:
         if has_swap_nodes(graph.model):
             self.model, self.swap_points = canonicalize(graph.model)
             self.passes = ()
+        # Order-dependent nodes run single-threaded in blocks of their own; scheduling them last
+        # keeps everything before them in one block (swap nodes fix positions: keep the order).
+        self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
@@ -190,6 +195,7 @@ class GraphRunner:
                 data_inputs=self.graph.data_inputs,
                 fetches=self.fetches,
                 max_block_nodes=block_nodes,
+                schedule=self.schedule,
                 swap_points=self.swap_points,
             )
             programs.append(program)
@@ -267,11 +273,13 @@ class GraphRunner:
         session = self._sessions.get(block.node_indices)
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
-            single = len(prepared.program.blocks) == 1
+            # Only a block holding most of the graph spins: idle pools of other sessions would
+            # steal its cores, and its own spinning after it ends costs the short tail little.
+            dominant = 2 * len(block.node_indices) >= len(self.model.graph.node)
             serial = any(is_order_dependent(self.model.graph.node[i]) for i in block.node_indices)
             session = BlockSession(
                 self.model, block, elem_types,
-                session_options=self.runtime.session_options(spinning=single, serial=serial),
+                session_options=self.runtime.session_options(spinning=dominant and not serial, serial=serial),
                 providers=self.runtime.device.providers,
             )
             self._sessions[block.node_indices] = session
