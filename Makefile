@@ -24,6 +24,7 @@ test: setup
 
 bench: setup
 	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.swap
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
