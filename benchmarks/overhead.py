@@ -45,24 +45,19 @@ import dataclasses
 import datetime
 import gc
 import io
-import json
 import os
-import platform
 import pstats
-import shlex
-import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from benchmarks import common as bench
+
 import numpy as np
 
 TARGET_RATIO = 0.90
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_FILE = "overhead.json"
 WHOLE_GRAPH = "whole"
 AUTO = "auto"  # the device's default: the runtime picks the block size (max_block_nodes=None)
@@ -258,49 +253,10 @@ def side_by_side(runners: Sequence[Runner], *, warmup: int, measured: int, chunk
             time.sleep(settle_s)
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
 def _max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     """Largest difference of two loss sequences over the steps both ran (step i vs step i)."""
     n = min(len(a), len(b))
     return float(np.max(np.abs(np.subtract(a[:n], b[:n])))) if n else 0.0
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - start
-
-
-def machine_info() -> dict[str, Any]:
-    import onnx
-    import onnxruntime
-    import torch
-
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "onnxruntime": onnxruntime.__version__,
-        "onnx": onnx.__version__,
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    try:
-        root = Path(__file__).resolve().parent.parent
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
-        if commit.returncode == 0:
-            info["git_commit"] = commit.stdout.strip()
-            info["git_dirty"] = bool(dirty.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 def baseline_session(model_bytes: bytes, *, intra_op_threads: int):
@@ -362,9 +318,9 @@ def time_split(runners: Sequence[OursRunner], steps: int) -> dict[str, dict[str,
             timer.__exit__()
     return {
         label: {
-            "step_ms": 1e3 * _median([w for w, _ in rows]),
-            "ort_ms": 1e3 * _median([o for _, o in rows]),
-            "outside_ort_ms": 1e3 * _median([w - o for w, o in rows]),
+            "step_ms": 1e3 * bench.median([w for w, _ in rows]),
+            "ort_ms": 1e3 * bench.median([o for _, o in rows]),
+            "outside_ort_ms": 1e3 * bench.median([w - o for w, o in rows]),
         }
         for label, rows in per_step.items()
     }
@@ -449,8 +405,8 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ort_offload_bench_") as cache_dir:
         # 1. export: miss, then hit
         log(f"exporting {name} (fresh cache: a real export)")
-        miss, miss_wall = _timed(lambda: export_training_step(spec.model, optimizer=optimizer, cache_dir=cache_dir, **common))
-        hit, hit_wall = _timed(lambda: export_training_step(spec.model, optimizer=optimizer, cache_dir=cache_dir, **common))
+        miss, miss_wall = bench.timed(lambda: export_training_step(spec.model, optimizer=optimizer, cache_dir=cache_dir, **common))
+        hit, hit_wall = bench.timed(lambda: export_training_step(spec.model, optimizer=optimizer, cache_dir=cache_dir, **common))
         if miss.cache_hit or not hit.cache_hit:
             raise RuntimeError(f"expected a cache miss then a hit, got {miss.cache_hit} then {hit.cache_hit}")
         graph = miss.graph
@@ -462,7 +418,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
         state = initial_state(graph, spec.model, lr=optimizer.lr, step=1)
         batch_np = {n: t.detach().cpu().numpy() for n, t in zip(spec.input_names + spec.target_names, inputs + targets)}
         device_threads = ort_offload.set_offload_device("cpu", budget=None).intra_op_threads
-        session, session_s = _timed(lambda: baseline_session(graph.model.SerializeToString(), intra_op_threads=device_threads))
+        session, session_s = bench.timed(lambda: baseline_session(graph.model.SerializeToString(), intra_op_threads=device_threads))
         loss_probe = session.run([graph.loss_name], {**state, **batch_np})[0]
         step_input = optimizers.STEP_INPUT if optimizers.STEP_INPUT in state else None
         baselines: list[Runner] = [
@@ -476,7 +432,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
         baseline_rows = {}
         for b in baselines:
             times = b.measured_values(b.times_s, count=count)
-            baseline_rows[b.label] = {"median_step_s": _median(times), "first_step_s": b.times_s[0], "step_times_s": times}
+            baseline_rows[b.label] = {"median_step_s": bench.median(times), "first_step_s": b.times_s[0], "step_times_s": times}
         chosen = min(baseline_rows, key=lambda k: baseline_rows[k]["median_step_s"])
         baseline = next(b for b in baselines if b.label == chosen)
         baseline_alone = baseline_rows[chosen]["median_step_s"]  # interleaved with the other driver only
@@ -495,7 +451,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
             is_default = setting == AUTO
             log(f"{label}: {warm} warm-up + {count} measured steps, side by side with {chosen}")
             device = ort_offload.set_offload_device("cpu", budget=None, max_block_nodes=max_nodes)
-            trainer, setup_s = _timed(lambda: ort_offload.create_ort_trainer(
+            trainer, setup_s = bench.timed(lambda: ort_offload.create_ort_trainer(
                 device, spec.model, optimizer=optimizer, cache_dir=cache_dir, **common))
             if sorted(os.listdir(cache_dir)) != cached_files:
                 raise RuntimeError("create_ort_trainer exported again instead of hitting the export cache")
@@ -514,7 +470,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
             arena = trainer.runtime.arena
             times = runner.measured_values(runner.times_s, count=count)
             run_times = runner.measured_values(runner.run_times_s, count=count)
-            median, base_median = _median(times), _median(base_times)
+            median, base_median = bench.median(times), bench.median(base_times)
             peak, base_peak = report["peak_device_bytes"], report["baseline_peak_bytes"]
             ours_rows.append({
                 "label": label,
@@ -522,11 +478,11 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
                 "blocks": runner.blocks,
                 "is_default": is_default,
                 "median_step_s": median,
-                "median_run_s": _median(run_times),  # inside GraphRunner.run only
+                "median_run_s": bench.median(run_times),  # inside GraphRunner.run only
                 "baseline_median_step_s": base_median,  # the baseline's steps interleaved with these
                 "ratio": base_median / median,
                 # the same comparison made per pair of neighbouring steps
-                "paired_ratio_median": _median([b / o for b, o in zip(base_times, times)]),
+                "paired_ratio_median": bench.median([b / o for b, o in zip(base_times, times)]),
                 "meets_target": base_median / median >= TARGET_RATIO,
                 # the baseline next to ours vs next to its other driver: > 1 means ours slowed
                 # its neighbour (threads still busy after ours' step ended)
@@ -601,22 +557,6 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 # ---- output -------------------------------------------------------------------------------------
-
-
-def write_json_atomic(path: Path, document: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def print_table(result: dict[str, Any], console) -> None:
@@ -722,25 +662,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rich.console import Console
-
     args = parse_args(argv)
     settings = settings_from(args)
-    width = max(shutil.get_terminal_size((TABLE_WIDTH, 24)).columns, TABLE_WIDTH)
-    console = Console(width=width)
-    err = Console(stderr=True, width=width)
-    result = {
-        "command": shlex.join(["python", "-m", "benchmarks.overhead", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine_info(),
-    }
-    result.update(run(settings, log=lambda msg: err.print(f"[dim]{msg}[/]")))
-    if hasattr(os, "getloadavg"):
-        result["machine"]["load_average_end"] = list(os.getloadavg())
-    out_dir = args.out if args.out is not None else RESULTS_DIR / datetime.date.today().isoformat()
-    path = write_json_atomic(Path(out_dir) / RESULT_FILE, result)
-    print_table(result, console)
-    console.print(f"wrote {path}")
-    return 0
+    return bench.run_main(
+        module="benchmarks.overhead", result_file=RESULT_FILE, argv=argv, out=args.out, table_width=TABLE_WIDTH,
+        measure=lambda log: run(settings, log=log), print_table=print_table,
+    )
 
 
 if __name__ == "__main__":

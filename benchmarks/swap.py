@@ -41,9 +41,6 @@ import datetime
 import gc
 import math
 import os
-import shlex
-import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -52,9 +49,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from benchmarks.overhead import machine_info, write_json_atomic
+from benchmarks import common as bench
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_FILE = "swap.json"
 TABLE_WIDTH = 180
 PROFILES = ("V100-16GB-PCIe3", "H100")
@@ -85,16 +81,6 @@ FULL = Settings(mode="full", models=(("gpt", "small"), ("cnn", "small")), warmup
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - start
 
 
 def _timed_step(trainer, batch: tuple) -> tuple[float, float]:
@@ -130,7 +116,7 @@ def simulate(prepared, unplanned, *, model, budget_bytes: int) -> dict[str, dict
     for name in PROFILES:
         profile = get_profile(name)
         unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
-        (trace, sim_s) = _timed(lambda: simulate_time(prepared.program, prepared.infos, model=model, profile=profile,
+        (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=model, profile=profile,
                                                        budget=budget_bytes))
         out[name] = {
             "step_time_s": trace.step_time_s,
@@ -171,7 +157,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
 
     with tempfile.TemporaryDirectory(prefix="ort_offload_swap_bench_") as cache_dir:
         log(f"{label}: exporting (fresh cache: a real export)")
-        export, export_s = _timed(lambda: export_training_step(
+        export, export_s = bench.timed(lambda: export_training_step(
             spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn, optimizer=optimizer,
             input_names=list(spec.input_names), target_names=list(spec.target_names),
             dynamic_axes=spec.dynamic_axes, name=label, cache_dir=cache_dir))
@@ -185,7 +171,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             return trainer
 
         # 1. the reference: no budget, the unplanned program
-        reference, ref_setup_s = _timed(lambda: trainer_for(None))
+        reference, ref_setup_s = bench.timed(lambda: trainer_for(None))
         unplanned = reference.runner.last_prepared
         baseline_peak = reference.runner.baseline_peak_bytes
         log(f"{label}: {len(export.graph.graph.node)} nodes, unplanned peak {baseline_peak} bytes; "
@@ -218,7 +204,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             log(f"{label} @ {budget_label}: planning")
             row: dict[str, Any] = {"model": name, "config": config, "budget": budget_label}
             try:
-                trainer, setup_s = _timed(lambda: trainer_for(budget))
+                trainer, setup_s = bench.timed(lambda: trainer_for(budget))
             except BudgetTooSmallError as e:  # reported, not hidden: the row shows why
                 row.update(status="budget_too_small", error=str(e), needed_bytes=e.needed_bytes)
                 rows.append(row)
@@ -248,7 +234,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             state_bad = _state_mismatches(trainer.state_dict(), ref_state)
             measured = times[settings.warmup_steps:]
             n = settings.measured_steps
-            median, ref_median = _median(measured), _median(ref_turn_times)
+            median, ref_median = bench.median(measured), bench.median(ref_turn_times)
             sim = simulate(prepared, unplanned, model=trainer.runner.model, budget_bytes=budget_bytes)
             peak = report["peak_device_bytes"]
             row.update(
@@ -309,7 +295,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
                 "blocks": len(unplanned.program.blocks),
                 "peak_device_bytes": ref_report["peak_device_bytes"],
                 "first_step_s": ref_times[0],
-                "median_step_s": _median(ref_times[settings.warmup_steps:]),
+                "median_step_s": bench.median(ref_times[settings.warmup_steps:]),
                 "step_times_s": ref_times[settings.warmup_steps:],
                 "losses": ref_losses,
             },
@@ -476,25 +462,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rich.console import Console
-
     args = parse_args(argv)
     settings = settings_from(args)
-    width = max(shutil.get_terminal_size((TABLE_WIDTH, 24)).columns, TABLE_WIDTH)
-    console = Console(width=width)
-    err = Console(stderr=True, width=width)
-    result = {
-        "command": shlex.join(["python", "-m", "benchmarks.swap", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine_info(),
-    }
-    result.update(run(settings, log=lambda msg: err.print(f"[dim]{msg}[/]")))
-    if hasattr(os, "getloadavg"):
-        result["machine"]["load_average_end"] = list(os.getloadavg())
-    out_dir = args.out if args.out is not None else RESULTS_DIR / datetime.date.today().isoformat()
-    path = write_json_atomic(Path(out_dir) / RESULT_FILE, result)
-    print_table(result, console)
-    console.print(f"wrote {path}")
-    return 0
+    return bench.run_main(
+        module="benchmarks.swap", result_file=RESULT_FILE, argv=argv, out=args.out, table_width=TABLE_WIDTH,
+        measure=lambda log: run(settings, log=log), print_table=print_table,
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import onnx_ir.passes
 from custom_ops.swap import attach_functions, make_swap_in, make_swap_out
 from graph_passes.liveness import check_topological
 from graph_passes.memory import simulate_program
-from graph_passes.program import Program, RunBlock, SwapIn, SwapOut
+from graph_passes.program import Program, RunBlock, SwapOut
 from graph_passes.swap_planner import SwapPlan, apply_swap_plan
 
 PASS_NAME = "swap"
@@ -88,7 +88,6 @@ def write_swap_plan(model: onnx.ModelProto, program: Program, plan: SwapPlan) ->
         return f"{name}__{kind}{written[name]}"
 
     def emit_swaps(index: int) -> None:
-        nonlocal token
         for swap in before.get(index, ()):
             if isinstance(swap, SwapOut):
                 out = fresh(swap.name, "host")

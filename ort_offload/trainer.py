@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from graph_passes.shapes import check_inputs
-from graph_passes.training_graph import Role, TrainingGraph
+from graph_passes.training_graph import TrainingGraph
 from ort_offload import optimizers
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError

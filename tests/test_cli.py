@@ -11,7 +11,6 @@ import sys
 
 import onnx
 import onnx.helper as oh
-import pytest
 
 from ort_offload.cli import main
 from ort_offload.report import REPORT_KEYS

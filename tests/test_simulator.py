@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from graph_passes import shapes
-from graph_passes.device_profiles import V100_16GB_PCIE3, DeviceProfile
+from graph_passes.device_profiles import V100_16GB_PCIE3
 from graph_passes.memory import align_up, simulate_program
 from graph_passes.prefetch import hoist_swap_ins
 from graph_passes.program import Fetch, Load, RunBlock, SwapIn, SwapOut, lower

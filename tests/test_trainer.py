@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-import ort_offload
 from helpers import assert_matches_torch, batches, train_ort, train_torch
 from models import get_model
 from ort_offload.errors import BudgetTooSmallError, CheckpointError, ExecutionError, InputMismatchError
