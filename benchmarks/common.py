@@ -26,6 +26,18 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def step_counts(args, changes: dict) -> None:
+    """Apply the shared ``--steps``/``--warmup`` options to a settings change set, checked."""
+    if args.steps is not None:
+        if args.steps < 1:
+            raise SystemExit("--steps must be at least 1")
+        changes["measured_steps"] = args.steps
+    if args.warmup is not None:
+        if args.warmup < 1:
+            raise SystemExit("--warmup must be at least 1 (the first step creates the sessions)")
+        changes["warmup_steps"] = args.warmup
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     value = fn()

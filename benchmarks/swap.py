@@ -442,14 +442,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def settings_from(args: argparse.Namespace) -> Settings:
     settings = QUICK if args.quick else FULL
     changes: dict[str, Any] = {}
-    if args.steps is not None:
-        if args.steps < 1:
-            raise SystemExit("--steps must be at least 1")
-        changes["measured_steps"] = args.steps
-    if args.warmup is not None:
-        if args.warmup < 1:
-            raise SystemExit("--warmup must be at least 1 (the first step creates the sessions)")
-        changes["warmup_steps"] = args.warmup
+    bench.step_counts(args, changes)
     if args.models is not None:
         pairs = []
         for item in args.models.split(","):

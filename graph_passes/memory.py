@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable, Mapping
 
 DEFAULT_ALIGNMENT = 64
 
@@ -167,14 +166,6 @@ class BestFitAllocator:
         for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise AssertionError(f"{n0!r} [{s0}, {e0}) overlaps {n1!r} at {s1}")
-
-
-def peak_of_sizes(events: Iterable[tuple[str, str]], sizes: Mapping[str, int]) -> int:
-    """High-water of a sequence of ('alloc'|'free', name) events under best-fit placement."""
-    allocator = BestFitAllocator()
-    for kind, name in events:
-        allocator.allocate(name, sizes[name]) if kind == "alloc" else allocator.free(name)
-    return allocator.high_water
 
 
 @dataclasses.dataclass(frozen=True)

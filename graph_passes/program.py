@@ -16,7 +16,7 @@ from typing import Mapping, Sequence, Union
 
 import onnx
 
-from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names
+from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names, lifetimes
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
 
@@ -176,17 +176,14 @@ def lower(
         for position in chunk:
             block_of_position[position] = b
 
-    producer_block: dict[str, int] = {n: INPUT_POSITION for n in graph_inputs}
-    last_block: dict[str, int] = {n: INPUT_POSITION for n in graph_inputs}
-    for position, node_index in enumerate(order):
-        b = block_of_position[position]
-        for name in consumed_names(nodes[node_index]):
-            if name in producer_block:
-                last_block[name] = b
-        for name in nodes[node_index].output:
-            if name:
-                producer_block[name] = b
-                last_block.setdefault(name, b)
+    # Liveness at block granularity: the block of each value's birth and of its last use
+    # (graph outputs live past the last block).
+    def block_at(position: int) -> int:
+        return INPUT_POSITION if position < 0 else block_of_position.get(position, len(chunks))
+
+    life = lifetimes(graph, order)
+    producer_block = {n: block_at(span.birth) for n, span in life.items()}
+    last_block = {n: block_at(span.last_use) for n, span in life.items()}
 
     blocks = []
     for b, chunk in enumerate(chunks):
