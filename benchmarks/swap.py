@@ -21,9 +21,11 @@ CNN ``small``; ``--quick``: their ``tiny`` configs), in one process:
    swap-outs, faults), faults. ``peak_device_bytes`` is the runtime's measured peak (must be
    ≤ the budget). Losses of every step and the state after the last one are compared bitwise
    with the reference's (the swap contract: identical numbers).
-4. **Simulated GPUs**: the row's planned program replayed by :func:`graph_passes.simulator.simulate_time`
-   on the V100-16GB-PCIe3 and H100 profiles (analytical roofline cost model; the row's budget as
-   the arena cap), against :func:`graph_passes.simulator.unlimited_time` of the unplanned program
+4. **Simulated GPUs**: the graph planned for the V100-16GB-PCIe3 and the H100 profile under the
+   row's budget (the runtime's planning with ``planning_profile``, as ``ort-offload transform
+   --device-profile`` does: block size and state placement chosen by simulated time on that
+   profile), replayed by :func:`graph_passes.simulator.simulate_time` (analytical roofline cost
+   model; the row's budget as the arena cap), against :func:`graph_passes.simulator.unlimited_time` of the unplanned program
    (the same graph with unlimited memory: compute only, no copies). ``pct_of_unlimited`` =
    100 × unlimited / simulated step time (100 = swapping costs nothing). Target: V100 at 0.5x
    ≥ 90%.
@@ -107,14 +109,32 @@ def _stats_snapshot(trainer) -> dict[str, float]:
             "faults": s.faults, "prefetch_hits": s.prefetch_hits, "swap_ins": s.swap_ins}
 
 
-def simulate(prepared, unplanned, *, model, budget_bytes: int) -> dict[str, dict[str, float]]:
-    """The planned program on each profile of :data:`PROFILES` vs the unplanned one's compute."""
+def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int):
+    """The trainer's graph planned for ``profile`` under ``budget_bytes`` (what
+    ``ort-offload transform --device-profile`` writes): the runtime's planning, timed on that
+    profile instead of this CPU."""
+    import ort_offload
+    from graph_passes.shapes import check_inputs
+    from ort_offload.runtime import GraphRunner, Runtime
+
+    device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile)
+    runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches, passes=trainer.runner.passes)
+    feeds = {**{n: np.array(trainer.runtime.view(n)) for n in trainer.graph.state_inputs},
+             **dict(zip(trainer.batch_names, (np.asarray(t) for t in batch)))}
+    return runner.prepare(check_inputs(trainer.graph.model, feeds), probe_feeds=feeds)
+
+
+def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[str, float]]:
+    """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget,
+    replayed on it, vs the unplanned program's compute."""
     from graph_passes.device_profiles import get_profile
     from graph_passes.simulator import simulate_time, unlimited_time
 
+    model = trainer.runner.model
     out = {}
     for name in PROFILES:
         profile = get_profile(name)
+        prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes))
         unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
         (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=model, profile=profile,
                                                        budget=budget_bytes))
@@ -127,6 +147,9 @@ def simulate(prepared, unplanned, *, model, budget_bytes: int) -> dict[str, dict
             "h2d_busy_s": trace.h2d_busy_s,
             "d2h_busy_s": trace.d2h_busy_s,
             "peak_bytes": trace.peak_bytes,
+            "blocks": len(prepared.program.blocks),
+            "host_state_tensors": len(prepared.program.host_state),
+            "plan_s": plan_s,
             "simulate_wall_s": sim_s,
         }
     return out
@@ -235,7 +258,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             measured = times[settings.warmup_steps:]
             n = settings.measured_steps
             median, ref_median = bench.median(measured), bench.median(ref_turn_times)
-            sim = simulate(prepared, unplanned, model=trainer.runner.model, budget_bytes=budget_bytes)
+            sim = simulate(trainer, batches[0], unplanned, budget_bytes=budget_bytes)
             peak = report["peak_device_bytes"]
             row.update(
                 status="ok",

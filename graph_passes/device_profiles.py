@@ -50,14 +50,19 @@ class DeviceProfile:
     duplex_bandwidth: float
     device_memory_bytes: int
     kernel_launch_s: float
+    # Fixed cost of running one execution block (binding its tensors, one session call) on top
+    # of its kernels: what makes many small blocks slower than a few large ones.
+    block_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "duplex_bandwidth"):
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"device profile {self.name!r}: {field} must be a positive finite number, got {value!r}")
-        if self.kernel_launch_s < 0 or not math.isfinite(self.kernel_launch_s):
-            raise ValueError(f"device profile {self.name!r}: kernel_launch_s must be >= 0, got {self.kernel_launch_s!r}")
+        for field in ("kernel_launch_s", "block_overhead_s"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"device profile {self.name!r}: {field} must be >= 0, got {value!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,6 +75,10 @@ class DeviceProfile:
 
 # Typical CUDA kernel launch overhead seen from the host (a few µs); nominal.
 _GPU_KERNEL_LAUNCH_S = 5e-6
+# Per-block cost on a GPU: none on the device's timeline. Blocks are enqueued on a CUDA stream
+# without a host synchronisation between them, so the host binds and launches block i+1 while
+# the device runs block i (the per-kernel launch cost above is still charged). Nominal.
+_GPU_BLOCK_OVERHEAD_S = 0.0
 
 # NVIDIA V100 (SXM2 16 GB, as in EC2 p3.2xlarge, SwapAdvisor's machine), nominal datasheet values:
 # fp32 15.7 TFLOP/s, HBM2 900 GB/s, 16 GB. Host link PCIe 3.0 x16 as *measured* by SwapAdvisor
@@ -83,6 +92,7 @@ V100_16GB_PCIE3 = DeviceProfile(
     duplex_bandwidth=20 * GB,
     device_memory_bytes=16 * GiB,
     kernel_launch_s=_GPU_KERNEL_LAUNCH_S,
+    block_overhead_s=_GPU_BLOCK_OVERHEAD_S,
 )
 
 # NVIDIA A100 80 GB SXM4, nominal datasheet values (A100 datasheet, "A100 80GB SXM"): fp32
@@ -99,6 +109,7 @@ A100_80GB = DeviceProfile(
     duplex_bandwidth=40 * GB,
     device_memory_bytes=80 * GiB,
     kernel_launch_s=_GPU_KERNEL_LAUNCH_S,
+    block_overhead_s=_GPU_BLOCK_OVERHEAD_S,
 )
 
 # NVIDIA H100 SXM5 80 GB, nominal datasheet values (H100 datasheet, "H100 SXM"): fp32
@@ -114,6 +125,7 @@ H100 = DeviceProfile(
     duplex_bandwidth=80 * GB,
     device_memory_bytes=80 * GiB,
     kernel_launch_s=_GPU_KERNEL_LAUNCH_S,
+    block_overhead_s=_GPU_BLOCK_OVERHEAD_S,
 )
 
 SHIPPED_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (V100_16GB_PCIE3, A100_80GB, H100)}
@@ -122,6 +134,11 @@ CPU_PROFILE_NAME = "cpu"
 
 # Per-node dispatch overhead of ONNX Runtime's CPU EP inside one session (about a µs); nominal.
 CPU_KERNEL_LAUNCH_S = 1e-6
+# Per-block cost on the CPU device, from `python -m benchmarks.overhead` on this 2-core machine
+# (gpt small): 6 blocks of 1024 nodes 182 ms, 13 of 256 196 ms, 41 of 64 204 ms per step, about
+# 0.6 ms per extra block once the graph is cut (one session call, and the cross-node
+# parallelism and fusion ONNX Runtime loses at each cut). Planning heuristic, not measured per run.
+CPU_BLOCK_OVERHEAD_S = 0.6e-3
 
 _CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"  # the export cache; profiles live next to it
 
@@ -225,7 +242,9 @@ def measure_cpu_profile(
             cached = {}
     if not refresh and key in cached:
         try:
-            return DeviceProfile.from_dict(cached[key])
+            # The per-block cost is a constant, not measured: a cache from before it existed
+            # (or from another value) gets the current one.
+            return DeviceProfile.from_dict({**cached[key], "block_overhead_s": CPU_BLOCK_OVERHEAD_S})
         except (TypeError, ValueError) as e:
             logger.warning("ignoring bad cached profile for %r in %s (%s)", key, path, e)
 
@@ -242,6 +261,7 @@ def measure_cpu_profile(
         duplex_bandwidth=_measure_duplex_bandwidth(copy_bytes, repeats),
         device_memory_bytes=_physical_memory_bytes(),
         kernel_launch_s=CPU_KERNEL_LAUNCH_S,
+        block_overhead_s=CPU_BLOCK_OVERHEAD_S,
     )
     logger.info("measured cpu profile for %s: %.1f GFLOP/s, %.1f GB/s memory, %.1f GB/s memcpy",
                 key, flops / 1e9, profile.memory_bandwidth / 1e9, link / 1e9)

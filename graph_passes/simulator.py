@@ -5,7 +5,7 @@ SwapAdvisor (§3, §4.1) evaluates a plan by simulating one compute stream and t
 :class:`graph_passes.program.Program`:
 
 - **compute** runs ``RunBlock`` steps, one after another, each taking
-  ``cost_model.block_time(model, block, infos)``;
+  ``cost_model.block_time(model, block, infos)`` plus the profile's ``block_overhead_s``;
 - **h2d** runs ``Load`` (the batch tensor) and ``SwapIn`` copies, FIFO in program order;
 - **d2h** runs ``SwapOut(copy=True)`` and ``Fetch`` copies, FIFO in program order. A drop
   (``SwapOut(copy=False)``) moves nothing: it takes no time and is logged on the ``drop`` stream.
@@ -163,7 +163,8 @@ def simulate_time(
         cost_model = AnalyticalCostModel(profile)
     if budget is None:
         budget = simulate_program(program, infos, alignment=alignment).min_budget_bytes
-    block_times = [cost_model.block_time(model, block, infos) for block in program.blocks]
+    # A block also costs its launch (``profile.block_overhead_s``: binding and session call).
+    block_times = [cost_model.block_time(model, block, infos) + profile.block_overhead_s for block in program.blocks]
     duplex: frozenset[int] = frozenset()
     seen = {duplex}
     for _ in range(MAX_DUPLEX_ROUNDS):
@@ -310,12 +311,14 @@ def unlimited_time(
 ) -> float:
     """Seconds of the program's blocks run back to back with unlimited memory: compute time
     alone, no copies (the same graph lowered without swaps). Pass the unplanned lowering to
-    compare against the largest blocks."""
+    compare against the largest blocks. With a ``profile``, each block also costs its
+    ``block_overhead_s``, as in :func:`simulate_time`."""
     if cost_model is None:
         if profile is None:
             raise ValueError("unlimited_time needs a cost_model or a profile")
         cost_model = AnalyticalCostModel(profile)
-    return math.fsum(cost_model.block_time(model, block, infos) for block in program.blocks)
+    overhead = profile.block_overhead_s if profile is not None else 0.0
+    return math.fsum(cost_model.block_time(model, block, infos) + overhead for block in program.blocks)
 
 
 __all__ = ["COMPUTE", "D2H", "DROP", "Event", "H2D", "STREAMS", "TimeTrace", "simulate_time", "unlimited_time"]

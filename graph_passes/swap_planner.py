@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut
 
@@ -66,21 +66,37 @@ def _workspace(program: Program, step) -> int:
 
 
 class SwapPlanner:
-    """Belady eviction with just-in-time swap-ins (copies synchronous for now; a prefetcher
-    will move swap-ins earlier where memory allows)."""
+    """Belady eviction with just-in-time swap-ins. Where the copies go in time is decided
+    afterwards: :func:`graph_passes.eviction.issue_swap_outs_early` and
+    :func:`graph_passes.prefetch.hoist_swap_ins` move them, :mod:`graph_passes.swap_search`
+    compares the results."""
 
-    def plan(self, program: Program, sizes: Mapping[str, int], budget: int) -> SwapPlan | Infeasible:
+    def plan(
+        self, program: Program, sizes: Mapping[str, int], budget: int, *, host_state: Iterable[str] | None = None
+    ) -> SwapPlan | Infeasible:
         """A plan keeping, at every step, live arena bytes plus the running block's workspace
-        within ``budget``."""
+        within ``budget``.
+
+        ``host_state``: state tensors that live on the host between steps (each comes in when
+        first needed and its update goes back to the host before the step ends). Other state
+        is on the host between steps only where eviction puts its update (iterated to a steady
+        state)."""
         need = required_bytes(program, sizes)
         if need > budget:
             return Infeasible(-1, need, "one step's inputs, outputs and workspace alone exceed the budget")
         capacity = budget
-        host_start: frozenset[str] = frozenset()
+        forced = frozenset(host_state or ())
+        unknown = forced - set(program.state_inputs)
+        if unknown:
+            raise ValueError(f"host_state names tensors that are not state inputs: {sorted(unknown)[:3]}")
+        # The state on the host when a step starts must be what the previous step left there.
+        host_start = forced
         for _ in range(MAX_STEADY_STATE_ROUNDS):
-            plan, host_end = _plan_once(program, sizes, capacity, host_start)
-            if host_end <= host_start:
+            plan, host_end = _plan_once(program, sizes, capacity, host_start, force_end=forced)
+            if host_end == host_start:
                 return plan
+            if host_end < host_start:
+                break  # state that started on the host ended on the device: send it back
             host_start = host_start | host_end  # grows monotonically, so this converges
         plan, _ = _plan_once(program, sizes, capacity, host_start, force_end=host_start)
         return plan

@@ -19,14 +19,17 @@ import numpy as np
 import onnx
 
 from graph_passes import shapes
+from graph_passes.cost_model import AnalyticalCostModel
+from graph_passes.device_profiles import DeviceProfile, get_profile
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
-from graph_passes.prefetch import hoist_swap_ins
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
 from graph_passes.shapes import TensorInfo
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
-from graph_passes.swap_planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan, required_bytes
+from graph_passes.simulator import simulate_time
+from graph_passes.swap_planner import SwapPlan, required_bytes
+from graph_passes.swap_search import SwapSearch
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory
 from ort_offload.block_session import BlockSession, default_session_options
@@ -78,6 +81,14 @@ class Runtime:
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
         self.copy_engine = CopyEngine()
+        self._planning_profile: DeviceProfile | None = None
+
+    def planning_profile(self) -> DeviceProfile:
+        """The profile plans are timed on: the device's ``planning_profile``, else this device
+        itself (the CPU, measured once per machine and cached)."""
+        if self._planning_profile is None:
+            self._planning_profile = get_profile(self.device.planning_profile or self.device.kind)
+        return self._planning_profile
 
     def session_options(self, *, spinning: bool, serial: bool = False):
         """Options for a block session; spinning only pays off when one session runs alone,
@@ -232,28 +243,28 @@ class GraphRunner:
         return prepared
 
     def _plan_swaps(self, programs, infos, budget: int):
-        """The largest blocks for which a swap plan fits ``budget``; else (None, least budget)."""
+        """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
+        the device's planning profile); else (None, least budget any of them needs)."""
         alignment = self.runtime.device.alignment
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
-        planner = SwapPlanner()
-        needed = None
-        for program in programs:
-            least = required_bytes(program, sizes)
-            needed = least if needed is None else min(needed, least)
-            plan = planner.plan(program, sizes, budget)
-            if isinstance(plan, Infeasible):
-                continue
-            # Swap-ins move as early as memory allows, so their copies overlap compute.
-            planned = hoist_swap_ins(apply_swap_plan(program, plan), infos, budget=budget, alignment=alignment)
-            trace = simulate_program(planned, infos, budget=budget, alignment=alignment)
-            if trace.min_budget_bytes <= budget:
-                logger.info(
-                    "swap plan for %s: %d blocks, %d swaps, %s out / %s in per step",
-                    self.graph.name, len(program.blocks), plan.swap_count,
-                    format_bytes(plan.swap_out_bytes), format_bytes(plan.swap_in_bytes),
-                )
-                return (planned, trace, ("swap",), program, plan), needed
-        return None, needed
+        needed = min(required_bytes(program, sizes) for program in programs)
+        profile = self.runtime.planning_profile()
+        cost_model = AnalyticalCostModel(profile)
+
+        def step_time(program: Program) -> float:
+            return simulate_time(program, infos, model=self.model, cost_model=cost_model, profile=profile,
+                                 budget=budget, alignment=alignment).step_time_s
+
+        result = SwapSearch().search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
+        if result is None:
+            return None, needed
+        best = result.best
+        logger.info(
+            "swap plan for %s on %s: %d blocks, state on host %r, %d swaps, %s out / %s in per step",
+            self.graph.name, profile.name, len(best.base_program.blocks), best.state_placement, best.plan.swap_count,
+            format_bytes(best.plan.swap_out_bytes), format_bytes(best.plan.swap_in_bytes),
+        )
+        return (best.program, best.trace, ("swap",), best.base_program, best.plan), needed
 
     def prepared_steps(self) -> list[PreparedStep]:
         """Every program prepared so far (one per input signature)."""
