@@ -56,10 +56,17 @@ class BestFitAllocator:
     def names(self) -> list[str]:
         return list(self._placements)
 
-    def allocate(self, name: str, nbytes: int) -> Placement:
+    def allocate(self, name: str, nbytes: int, *, region: tuple[int, int] | None = None) -> Placement:
+        """Place ``name``: best fit among the holes, else at the frontier. With ``region``
+        (``[lo, hi)``), a place inside it is preferred (best fit among the holes and the
+        frontier space there); only if none fits does the allocation go anywhere."""
         if name in self._placements:
             raise ValueError(f"{name!r} is already allocated")
         size = align_up(nbytes, self.alignment)
+        if region is not None:
+            offset = self._fit_in(size, *region)
+            if offset is not None:
+                return self._place(name, offset, size)
         best = None
         for i, (offset, hole) in enumerate(self._free):
             if hole >= size and (best is None or hole < self._free[best][1]):
@@ -78,12 +85,53 @@ class BestFitAllocator:
                     bisect.insort(self._free, (offset, self._top - offset))
                 raise OutOfArenaMemory(name, size, self.in_use, self.capacity)
             self._top = offset + size
+        return self._record(name, offset, size)
+
+    def _record(self, name: str, offset: int, size: int) -> Placement:
         placement = Placement(offset, size)
         self._placements[name] = placement
         self.in_use += size
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         self.high_water = max(self.high_water, offset + size)
         return placement
+
+    def _fit_in(self, size: int, lo: int, hi: int) -> int | None:
+        """The offset of the tightest free span of at least ``size`` bytes inside
+        ``[lo, hi)`` (holes, then the space above the frontier), or None."""
+        lo = align_up(max(lo, 0), self.alignment)
+        if self.capacity is not None:
+            hi = min(hi, self.capacity)
+        best = None  # (usable span, offset)
+        for offset, hole in self._free:
+            start, end = max(offset, lo), min(offset + hole, hi)
+            if end - start >= size and (best is None or end - start < best[0]):
+                best = (end - start, start)
+        if best is None:
+            start = max(self._top, lo)
+            if start + size <= hi:
+                best = (hi - start, start)
+        return None if best is None else best[1]
+
+    def _place(self, name: str, offset: int, size: int) -> Placement:
+        """Take ``[offset, offset + size)``, free space found by :meth:`_fit_in`: inside a
+        hole, or at/above the frontier."""
+        end = offset + size
+        if offset >= self._top:
+            if offset > self._top:  # the gap below the tensor becomes (or extends) a hole
+                if self._free and sum(self._free[-1]) == self._top:
+                    start = self._free.pop()[0]
+                else:
+                    start = self._top
+                self._free.append((start, offset - start))  # above every hole: stays sorted
+            self._top = end
+        else:  # inside a hole: split it around the tensor
+            i = next(k for k, (o, h) in enumerate(self._free) if o <= offset and end <= o + h)
+            o, h = self._free.pop(i)
+            if offset > o:
+                bisect.insort(self._free, (o, offset - o))
+            if o + h > end:
+                bisect.insort(self._free, (end, o + h - end))
+        return self._record(name, offset, size)
 
     def free(self, name: str) -> None:
         placement = self._placements.pop(name)
@@ -110,11 +158,13 @@ class BestFitAllocator:
         """End of the highest tensor live now (the frontier: frees at the top retreat it)."""
         return self._top
 
-    def allocate_or_compact(self, name: str, nbytes: int) -> list[tuple[str, int, int]]:
-        """Allocate; if only fragmentation is in the way, compact first. Returns the moves
-        compaction made (empty if none) for whoever holds the bytes."""
+    def allocate_or_compact(
+        self, name: str, nbytes: int, *, region: tuple[int, int] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """Allocate (preferring ``region``); if only fragmentation is in the way, compact
+        first. Returns the moves compaction made (empty if none) for whoever holds the bytes."""
         try:
-            self.allocate(name, nbytes)
+            self.allocate(name, nbytes, region=region)
             return []
         except OutOfArenaMemory:
             if self.capacity is None or self.in_use + align_up(nbytes, self.alignment) > self.capacity:

@@ -1,9 +1,21 @@
-"""The device arena: one real buffer capped at the budget, with best-fit placement.
+"""The device arena: one real buffer capped at the budget, with best-fit placement, and the
+placement policies that steer where each tensor goes.
 
 Tensors live at offsets of a single byte buffer; :class:`graph_passes.memory.BestFitAllocator`
 decides where (the same arithmetic the analyses replay). Views of the buffer are handed to
 ONNX Runtime through IOBinding, so block inputs are read from and outputs written into the arena
 without copies.
+
+Policies (:data:`ARENA_POLICIES`, chosen with ``set_offload_device(arena_policy=...)``):
+
+- ``best_fit``: the tightest hole anywhere.
+- ``double_buffer`` (DyNN-Offload §IV-E): the usable range is two equal halves. Tensors for
+  execution block ``b`` (its outputs, and the swap-ins and batch loads it is the first to read)
+  go into half ``b % 2``: while block ``b`` computes in its half (the work buffer), prefetches
+  for block ``b + 1`` land in the other one (the migration buffer), and the two switch roles
+  when the block ends. Tensors that outlive their block stay where they are, so a half can be
+  full: the allocation then goes anywhere (counted as a fallback). A policy only chooses among
+  free places, so what fits under the budget is the same as with best fit.
 """
 
 from __future__ import annotations
@@ -13,7 +25,47 @@ import numpy as np
 from graph_passes.memory import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.shapes import TensorInfo
 
-__all__ = ["DeviceArena", "OutOfArenaMemory"]
+__all__ = ["ARENA_POLICIES", "BestFitPolicy", "DeviceArena", "DoubleBufferPolicy", "OutOfArenaMemory", "make_policy"]
+
+
+class BestFitPolicy:
+    """No preference: best fit over the whole arena."""
+
+    name = "best_fit"
+
+    def region(self, block: int | None) -> tuple[int, int] | None:
+        return None
+
+
+class DoubleBufferPolicy:
+    """Half ``block % 2`` of ``[0, usable)`` for the tensors of execution block ``block``.
+
+    ``usable`` is the budget less the program's largest block workspace: the arena never
+    extends past it, so capping it for a block never forces a compaction."""
+
+    name = "double_buffer"
+
+    def __init__(self, usable: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        self.half = align_up(max(usable, 0) // 2, alignment)
+        self.usable = usable
+
+    def region(self, block: int | None) -> tuple[int, int] | None:
+        if block is None or self.half <= 0:
+            return None
+        return (0, self.half) if block % 2 == 0 else (self.half, self.usable)
+
+
+ARENA_POLICIES = (BestFitPolicy.name, DoubleBufferPolicy.name)
+
+
+def make_policy(name: str, *, usable: int | None, alignment: int = DEFAULT_ALIGNMENT):
+    """The policy called ``name`` for an arena whose usable range is ``usable`` bytes (None: no
+    budget, where halves mean nothing and best fit is used)."""
+    if name not in ARENA_POLICIES:
+        raise ValueError(f"unknown arena policy {name!r}: use one of {', '.join(ARENA_POLICIES)}")
+    if name == DoubleBufferPolicy.name and usable is not None:
+        return DoubleBufferPolicy(usable, alignment)
+    return BestFitPolicy()
 
 
 class DeviceArena:
@@ -72,7 +124,8 @@ class DeviceArena:
 
     # ---- tensors -------------------------------------------------------------------------
 
-    def allocate(self, name: str, info: TensorInfo) -> None:
+    def allocate(self, name: str, info: TensorInfo, *, region: tuple[int, int] | None = None) -> None:
+        """Place ``name`` (inside ``region`` if a free span there fits, else anywhere)."""
         if self.growable:
             try:
                 self.allocator.allocate(name, info.nbytes)
@@ -82,7 +135,7 @@ class DeviceArena:
                 self.set_capacity(max(self.buffer.size + self.buffer.size // 4, self.allocator.high_water_live() + size))
                 self.allocator.allocate(name, info.nbytes)
         else:
-            self._move(self.allocator.allocate_or_compact(name, info.nbytes))
+            self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
         self._infos[name] = info
 
     def compact(self) -> None:

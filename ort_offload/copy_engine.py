@@ -1,9 +1,11 @@
-"""The copy engine: host→device copies on a worker thread, with completion events.
+"""Copy engines: copies on a worker thread each, with completion events — one engine per
+direction, like the host→device and device→host streams of the simulator.
 
 A swap-in reserves its arena bytes when it is issued and copies in the background while blocks
 compute (numpy and ONNX Runtime both release the GIL, so the copy and the kernels overlap).
 Whoever needs the tensor waits on its event; a tensor still in flight costs a wait, never a
-fault. On CUDA this becomes a copy stream with events.
+fault. A swap-out copies into a host buffer in the background and gives its arena bytes back
+when done. On CUDA an engine becomes a copy stream with events.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Callable
 class CopyEngine:
     """One worker thread running copies in issue order (a FIFO copy stream)."""
 
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort_offload-copy")
+    def __init__(self, direction: str = "h2d") -> None:
+        self.direction = direction
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ort_offload-{direction}")
         self._pending: dict[str, concurrent.futures.Future] = {}
 
     def submit(self, name: str, copy: Callable[[], None]) -> None:
@@ -25,6 +28,22 @@ class CopyEngine:
 
     def in_flight(self, name: str) -> bool:
         return name in self._pending
+
+    def done(self, name: str) -> bool:
+        """Whether ``name``'s copy has finished (it stays pending until someone waits on it)."""
+        future = self._pending.get(name)
+        return future is None or future.done()
+
+    def pending(self) -> list[str]:
+        """Names with a copy not yet waited on, in issue order."""
+        return list(self._pending)
+
+    def settle(self) -> float:
+        """Wait until every copy issued so far has finished, without consuming their events
+        (whoever owns each copy still waits on it); seconds waited."""
+        started = time.perf_counter()
+        concurrent.futures.wait(list(self._pending.values()))
+        return time.perf_counter() - started
 
     def wait(self, name: str) -> tuple[float, bool]:
         """Wait for ``name``'s copy; returns (seconds waited, whether it had already finished)."""

@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from graph_passes.device_profiles import profile_names
 from graph_passes.memory import DEFAULT_ALIGNMENT
+from ort_offload.arena import ARENA_POLICIES
 from ort_offload.budget import Budget, parse_budget
 from ort_offload.errors import UnknownDeviceError
 
@@ -38,6 +39,8 @@ class OffloadDevice:
     # Device profile swap plans are timed on (graph_passes.device_profiles); None: this device.
     # Naming another device plans for it, e.g. `ort-offload transform --device-profile V100-16GB-PCIe3`.
     planning_profile: str | None = None
+    # Where the arena places tensors: "best_fit" or "double_buffer" (ort_offload.arena).
+    arena_policy: str = "best_fit"
 
     @property
     def providers(self) -> list[str]:
@@ -55,6 +58,7 @@ def set_offload_device(
     intra_op_threads: int = 0,
     drop_prefetches: bool = False,
     planning_profile: str | None = None,
+    arena_policy: str = "best_fit",
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
     name = str(kind).strip().lower()
@@ -68,11 +72,13 @@ def set_offload_device(
         raise UnknownDeviceError(f"unknown device {kind!r}: use one of {', '.join(SUPPORTED_DEVICES)}")
     if max_block_nodes is not None and max_block_nodes < 1:
         raise ValueError("max_block_nodes must be at least 1")
+    if arena_policy not in ARENA_POLICIES:
+        raise ValueError(f"unknown arena policy {arena_policy!r}: use one of {', '.join(ARENA_POLICIES)}")
     if planning_profile is not None and planning_profile not in profile_names():
         raise UnknownDeviceError(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"
         )
     return OffloadDevice(
         kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
-        drop_prefetches=drop_prefetches, planning_profile=planning_profile,
+        drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
     )

@@ -19,6 +19,10 @@ class HostStore:
         """Store a copy of ``array`` (the caller's buffer may be reused right after)."""
         self._tensors[name] = np.array(array, copy=True, order="C")
 
+    def adopt(self, name: str, array: np.ndarray) -> None:
+        """Store ``array`` itself (a buffer a finished swap-out filled; nobody else holds it)."""
+        self._tensors[name] = array
+
     def get(self, name: str) -> np.ndarray:
         return self._tensors[name]
 

@@ -31,7 +31,7 @@ from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, required_bytes
 from graph_passes.swap_search import SwapSearch
 from graph_passes.training_graph import TrainingGraph
-from ort_offload.arena import DeviceArena, OutOfArenaMemory
+from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.block_session import BlockSession, default_session_options
 from ort_offload.budget import format_bytes
 from ort_offload.copy_engine import CopyEngine
@@ -55,7 +55,9 @@ class RuntimeStats:
     prefetch_hits: int = 0  # planned swap-ins whose copy had finished when the tensor was needed
     faults: int = 0  # tensors a step needed that were neither resident nor on their way
     fault_log: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, tensor)
-    swap_time_s: float = 0.0  # compute stalled on copies: synchronous swap-outs and faults, waits on swap-ins
+    swap_time_s: float = 0.0  # compute stalled on copies: waits on swap-ins and on swap-outs to free room, faults
+    region_placements: int = 0  # allocations the arena policy steered (double buffering)
+    region_fallbacks: int = 0  # ... of which could not go where it wanted (that half was full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class Runtime:
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
-        self.copy_engine = CopyEngine()
+        self.copy_engine = CopyEngine("h2d")  # swap-ins
+        self.evict_engine = CopyEngine("d2h")  # swap-outs
         self._planning_profile: DeviceProfile | None = None
 
     def planning_profile(self) -> DeviceProfile:
@@ -363,27 +366,74 @@ class _StepExecution:
         self.budget = runner.runtime.budget_bytes
         self.drop_prefetches = runner.runtime.device.drop_prefetches
         self.copies = runner.runtime.copy_engine
-        # Compaction moves bytes: no copy may be writing into the arena while it does.
+        self.evictions = runner.runtime.evict_engine
+        # Placement: which part of the arena each block's tensors go to (ort_offload.arena).
+        usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
+        self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
+        self.first_reader = _first_readers(prepared.program) if self.policy.region(0) is not None else {}
+        self.block: int | None = None  # the block running or about to run
+        # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
+        # allocated until the copy is done and :meth:`_release` frees them.
+        self.leaving: dict[str, np.ndarray] = {}
+        # Compaction moves bytes: no copy may be reading or writing arena memory while it does.
         self.arena.before_move = self._drain
 
     def _drain(self) -> None:
-        self.stats.swap_time_s += self.copies.drain()
+        """Every copy finished (swap-outs are released later, by :meth:`_reap`)."""
+        self.stats.swap_time_s += self.copies.drain() + self.evictions.settle()
 
     def finish(self) -> None:
-        """End of the step (or of a failed one): every copy done, no hook left behind."""
+        """End of the step (or of a failed one): every copy done and released, no hook left behind."""
         self._drain()
+        self._reap()
         self.arena.before_move = None
+
+    # ---- swap-outs in flight -----------------------------------------------------------
+
+    def _release(self, name: str) -> None:
+        """Wait for ``name``'s swap-out, keep its host copy and give its arena bytes back."""
+        self.stats.swap_time_s += self.evictions.wait(name)[0]
+        self.host.adopt(name, self.leaving.pop(name))
+        self.arena.free(name)
+
+    def _reap(self) -> None:
+        """Release every swap-out that has finished."""
+        for name in list(self.leaving):
+            if self.evictions.done(name):
+                self._release(name)
+
+    def _with_room(self, action) -> None:
+        """Run ``action`` (an allocation or a cap); while the arena is full, release the oldest
+        swap-out in flight (waiting for its copy) and try again."""
+        self._reap()
+        while True:
+            try:
+                return action()
+            except OutOfArenaMemory:
+                if not self.leaving:
+                    raise
+                self._release(next(iter(self.leaving)))
+
+    def _allocate(self, name: str, block: int | None) -> None:
+        """Allocate ``name`` for ``block`` (where the policy wants it, room permitting)."""
+        region = self.policy.region(block)
+        self._with_room(lambda: self.arena.allocate(name, self.infos[name], region=region))
+        if region is not None:
+            self.stats.region_placements += 1
+            offset = self.arena.allocator.placement(name).offset
+            if not region[0] <= offset < region[1]:
+                self.stats.region_fallbacks += 1
 
     def _cap(self, workspace: int) -> None:
         if self.budget is not None:
-            self.arena.limit(self.budget - workspace)
+            self._with_room(lambda: self.arena.limit(self.budget - workspace))
 
     def _measure(self, workspace: int) -> None:
         self.peak = max(self.peak, self.arena.allocator.high_water_live() + workspace)
 
     def load(self, step: Load) -> None:
         self._cap(0)
-        self.arena.allocate(step.name, self.infos[step.name])
+        self._allocate(step.name, self.first_reader.get(id(step)))
         self.arena.view(step.name)[...] = self.feeds[step.name]
         self._measure(0)
 
@@ -391,6 +441,8 @@ class _StepExecution:
         """Wait for inputs still being copied in; the tensor-fault handler fetches a needed
         tensor neither resident nor arriving from the host now, and counts and logs the fault."""
         for name in names:
+            if name in self.leaving:  # on its way out (a plan would have swapped it back in)
+                self._release(name)
             if self.copies.in_flight(name):
                 waited, arrived = self.copies.wait(name)
                 self.stats.swap_time_s += waited
@@ -404,7 +456,7 @@ class _StepExecution:
 
     def _copy_in(self, name: str) -> None:
         started = time.perf_counter()
-        self.arena.allocate(name, self.infos[name])
+        self._allocate(name, self.block)
         self.arena.view(name)[...] = self.host.get(name)
         self.stats.swap_in_bytes += self.infos[name].nbytes
         self.stats.swap_time_s += time.perf_counter() - started
@@ -413,10 +465,11 @@ class _StepExecution:
         arena = self.arena
         session = self.runner.session(self.prepared, step.block)
         workspace = session.block.workspace_bytes
+        self.block = step.block
         self._cap(workspace)
         self._ensure_resident(session.block.inputs, f"block {step.block}")
         for name in step.allocates:
-            arena.allocate(name, self.infos[name])
+            self._allocate(name, step.block)
         self._measure(workspace)
         pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
         try:
@@ -439,31 +492,39 @@ class _StepExecution:
             self.host.discard(step.name)
 
     def swap_out(self, step: SwapOut) -> None:
-        if step.name not in self.arena:  # already out (placement from another signature's plan)
+        name = step.name
+        if name not in self.arena or name in self.leaving:  # out already (another signature's plan)
             return
-        if self.copies.in_flight(step.name):
-            self.stats.swap_time_s += self.copies.wait(step.name)[0]
-        started = time.perf_counter()
-        if step.copy or step.name not in self.host:
-            self.host.put(step.name, self.arena.view(step.name))
-            self.stats.swap_out_bytes += self.infos[step.name].nbytes
-        self.arena.free(step.name)
-        self.stats.swap_time_s += time.perf_counter() - started
+        if self.copies.in_flight(name):
+            self.stats.swap_time_s += self.copies.wait(name)[0]
+        if step.copy or name not in self.host:
+            # The copy runs on the device→host engine; the bytes are freed when it is done.
+            source = self.arena.view(name)
+            target = np.empty(source.shape, dtype=source.dtype)
+            self.leaving[name] = target
+            self.evictions.submit(name, lambda: np.copyto(target, source))
+            self.stats.swap_out_bytes += self.infos[name].nbytes
+        else:  # the host copy is current: drop
+            self.arena.free(name)
 
     def swap_in(self, step: SwapIn) -> None:
         if self.drop_prefetches:  # test mode: leave it to the fault handler
             return
-        if step.name not in self.arena:  # resident already if another signature's plan kept it
+        name = step.name
+        if name in self.leaving:  # still being copied out: wait, then bring it back
+            self._release(name)
+        if name not in self.arena:  # resident already if another signature's plan kept it
             self._cap(0)
-            self.arena.allocate(step.name, self.infos[step.name])  # bytes reserved at issue
-            target, source = self.arena.view(step.name), self.host.get(step.name)
-            self.copies.submit(step.name, lambda: np.copyto(target, source))
+            self._allocate(name, self.first_reader.get(id(step)))  # bytes reserved at issue
+            target, source = self.arena.view(name), self.host.get(name)
+            self.copies.submit(name, lambda: np.copyto(target, source))
             self.stats.swap_ins += 1
-            self.stats.swap_in_bytes += self.infos[step.name].nbytes
+            self.stats.swap_in_bytes += self.infos[name].nbytes
             self._measure(0)
 
     def commit(self, step: Commit) -> None:
         self._drain()
+        self._reap()
         for updated, state in step.renames:
             if state in self.arena:
                 self.arena.free(state)
@@ -474,3 +535,17 @@ class _StepExecution:
                     self.host.rename(updated, state)  # a clean copy stays clean under the new name
             else:
                 self.host.rename(updated, state)
+
+
+def _first_readers(program: Program) -> dict[int, int]:
+    """For each ``Load``/``SwapIn`` step (by ``id``): the first block after it that reads its
+    tensor — the execution block it is brought in for."""
+    readers: dict[int, int] = {}
+    next_reader: dict[str, int] = {}
+    for step in reversed(program.steps):
+        if isinstance(step, RunBlock):
+            for name in program.blocks[step.block].inputs:
+                next_reader[name] = step.block
+        elif isinstance(step, (Load, SwapIn)) and step.name in next_reader:
+            readers[id(step)] = next_reader[step.name]
+    return readers

@@ -124,3 +124,58 @@ def test_growable_arena_keeps_tensors_when_it_grows():
     arena.store("b", np.arange(64, dtype=np.float32))
     assert arena.capacity >= 320
     np.testing.assert_array_equal(arena.view("a"), np.arange(16, dtype=np.float32))
+
+
+# ---- region preference (the double-buffered arena's halves) -----------------------------------
+
+def test_region_allocation_lands_inside_the_region_and_leaves_a_hole_below():
+    a = BestFitAllocator(1024, alignment=64)
+    a.allocate("low", 64)
+    upper = a.allocate("up", 100, region=(512, 1024))
+    assert upper.offset == 512 and upper.nbytes == 128
+    assert a.high_water_live() == 640
+    assert a.allocate("fill", 448).offset == 64  # the gap below the region is a usable hole
+    a.check_no_overlap()
+
+
+def test_region_falls_back_anywhere_when_full():
+    a = BestFitAllocator(1024, alignment=64)
+    a.allocate("u1", 512, region=(512, 1024))
+    placed = a.allocate("u2", 64, region=(512, 1024))  # the upper half is full
+    assert placed.offset < 512
+    with pytest.raises(OutOfArenaMemory):
+        a.allocate("big", 512, region=(512, 1024))
+
+
+regioned_ops = st.lists(st.tuples(st.booleans(), st.integers(0, 700), st.sampled_from([None, 0, 1])),
+                        min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(regioned_ops)
+def test_random_regioned_sequences_never_overlap_and_account_exactly(sequence):
+    capacity = 4096
+    halves = [(0, capacity // 2), (capacity // 2, capacity)]
+    a = BestFitAllocator(capacity, alignment=64)
+    live = {}
+    for i, (do_alloc, size, half) in enumerate(sequence):
+        if do_alloc or not live:
+            region = None if half is None else halves[half]
+            inside = None if region is None else a._fit_in(align_up(size), *region)
+            try:
+                placed = a.allocate(f"t{i}", size, region=region)
+            except OutOfArenaMemory:
+                assert a.in_use + align_up(size) > capacity or a.high_water_live() + align_up(size) > capacity
+                continue
+            live[f"t{i}"] = align_up(size)
+            assert placed.offset + placed.nbytes <= capacity
+            if inside is not None:  # a free span in the region: it went there
+                assert placed.offset == inside
+                assert region[0] <= placed.offset and placed.offset + placed.nbytes <= region[1]
+        else:
+            victim = sorted(live)[size % len(live)]
+            a.free(victim)
+            del live[victim]
+        a.check_no_overlap()
+        assert a.in_use == sum(live.values())
+        assert a._free == sorted(a._free) and all(o + h <= a.high_water_live() for o, h in a._free)

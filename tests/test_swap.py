@@ -45,6 +45,27 @@ def test_training_under_a_fraction_of_the_peak_is_bitwise_unplanned(unplanned, n
         assert run.state[key].tobytes() == value.tobytes(), key
 
 
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_double_buffered_arena_gives_identical_results_within_the_budget(unplanned, name):
+    reference = unplanned[name]
+    run = train_ort(name, optimizer="adamw", steps=5, budget="0.5x", arena_policy="double_buffer")
+    report = run.trainer.report()
+    assert report["peak_device_bytes"] <= report["budget_bytes"] and report["faults"] == 0
+    program = run.trainer.runner.last_prepared.program
+    usable = report["budget_bytes"] - program.max_workspace_bytes
+    # Both halves were used, and most tensors went to their block's half.
+    stats = run.trainer.runtime.stats
+    assert run.trainer.runtime.arena.high_water > usable // 2
+    assert stats.region_placements > 0 and stats.region_fallbacks < stats.region_placements / 2
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
+
+
+def test_unknown_arena_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown arena policy"):
+        set_offload_device("cpu", budget="1MiB", arena_policy="buddy")
+
+
 def test_dropped_prefetches_become_faults_with_identical_results(unplanned):
     reference = unplanned["gpt"]
     run = train_ort("gpt", optimizer="adamw", steps=5, budget="0.5x", drop_prefetches=True)
