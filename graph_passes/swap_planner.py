@@ -228,3 +228,21 @@ def apply_swap_plan(program: Program, plan: SwapPlan) -> Program:
         state_inputs=tuple(n for n in program.state_inputs if n not in host),
         host_state=tuple(n for n in program.state_inputs if n in host),
     )
+
+
+def placed_plan(plan: SwapPlan, placed: Program) -> SwapPlan:
+    """``plan`` with its swaps at the positions they have in ``placed`` (the plan applied,
+    then its swap-outs issued early and its swap-ins hoisted): what a pass writes into the
+    graph, so a rewritten graph runs the swaps where the runtime would."""
+    before: dict[int, tuple] = {}
+    index, pending = 0, []
+    for step in placed.steps:
+        if isinstance(step, (SwapOut, SwapIn)):
+            pending.append(step)
+            continue
+        if pending:
+            before[index], pending = tuple(pending), []
+        index += 1
+    if pending:
+        before[index] = tuple(pending)
+    return dataclasses.replace(plan, before=tuple(sorted(before.items())))

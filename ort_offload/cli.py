@@ -26,6 +26,8 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
     parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
+    parser.add_argument("--arena-policy", default="best_fit", choices=["best_fit", "double_buffer"],
+                        help="where the arena places tensors (double_buffer: work and migration halves)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     transform.add_argument("--report", dest="json_path", default=None, help="write what changed and why as JSON")
     transform.add_argument("--plot", dest="plot_path", default=None, help="PNG of device bytes, before and after")
     transform.add_argument("--device", default="cpu")
+    transform.add_argument("--device-profile", default=None, choices=_profile_names(),
+                           help="plan for this device profile's speeds (default: the device itself)")
 
     inspect = sub.add_parser("inspect", help="summarise a training-step ONNX graph")
     inspect.add_argument("graph", help="training-step .onnx file")
@@ -140,11 +144,18 @@ def _check_outputs_writable(*paths) -> None:
             raise OffloadError(f"cannot write {path}: directory {Path(path).resolve().parent} does not exist")
 
 
+def _profile_names() -> list[str]:
+    from graph_passes.device_profiles import profile_names
+
+    return profile_names()
+
+
 def _device(args):
     import ort_offload
 
     return ort_offload.set_offload_device(
-        args.device, budget=args.budget, **({"max_block_nodes": args.block_nodes} if args.block_nodes else {})
+        args.device, budget=args.budget, **({"max_block_nodes": args.block_nodes} if args.block_nodes else {}),
+        arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
     )
 
 
@@ -273,7 +284,8 @@ def _transform(args) -> int:
     from ort_offload.transform import transform
 
     _check_outputs_writable(args.output, args.json_path, args.plot_path)
-    device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None))
+    device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None,
+                                        device_profile=args.device_profile))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
     result.graph.save(args.output)

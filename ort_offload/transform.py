@@ -16,6 +16,7 @@ import onnx_ir as ir
 from custom_ops.registry import DOMAIN
 from graph_passes.shapes import check_inputs
 from graph_passes.swap_pass import SwapPass
+from graph_passes.swap_planner import placed_plan
 from graph_passes.program import SwapOut
 from graph_passes.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
@@ -48,17 +49,19 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
     model = graph.model
     swaps = []
     if prepared.swap_plan is not None:
-        result = SwapPass(prepared.base_program, prepared.swap_plan, prepared.infos, budget=budget)(ir.from_proto(model))
+        # The swaps where the runtime runs them (early swap-outs, hoisted swap-ins).
+        plan = placed_plan(prepared.swap_plan, prepared.program)
+        result = SwapPass(prepared.base_program, plan, prepared.infos, budget=budget)(ir.from_proto(model))
         model = ir.to_proto(result.model)
-        for index, batch in prepared.swap_plan.before:
+        for index, batch in plan.before:
             for swap in batch:
                 kind = "swap_out" if isinstance(swap, SwapOut) else "swap_in"
                 swaps.append({
                     "tensor": swap.name, "op": kind, "bytes": prepared.infos[swap.name].nbytes,
                     "before_step": index, "copy": getattr(swap, "copy", True),
                     "role": graph.roles.get(swap.name, Role.ACTIVATION).value,
-                    "why": "evicted: used furthest in the future among tensors the step does not touch"
-                    if kind == "swap_out" else "needed by the next step that reads it",
+                    "why": "evicted (Belady: used furthest in the future), issued right after its last use"
+                    if kind == "swap_out" else "needed by a later step; issued as early as memory allows",
                 })
     roles = dict(graph.roles)
     for node in model.graph.node:  # host and device copies take the role of what they copy
@@ -73,11 +76,12 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
         "budget_bytes": budget,
         "baseline_peak_bytes": baseline.peak_device_bytes,
         "planned_peak_bytes": prepared.trace.peak_device_bytes,
+        "planning_profile": runner.runtime.planning_profile().name if prepared.swap_plan is not None else None,
         "blocks": len(prepared.program.blocks),
         "passes": list(prepared.passes),
         "swap_out_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_out" and s["copy"]),
         "swap_in_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_in"),
-        "host_state": list(prepared.program.host_state),
+        "host_state": list(prepared.program.host_state),  # state kept on the host between steps
         "swaps": swaps,
         "nodes_before": len(graph.graph.node),
         "nodes_after": len(model.graph.node),

@@ -11,6 +11,7 @@ import sys
 
 import onnx
 import onnx.helper as oh
+import pytest
 
 from ort_offload.cli import main
 from ort_offload.report import REPORT_KEYS
@@ -182,3 +183,20 @@ def test_inspect_summarises_roles_sizes_and_peak(tmp_path, capsys):
     assert summary["state_bytes"]["param"] > 0 and summary["largest_ops"]
     assert run_cli("inspect", source) == 0  # symbolic shapes: roles and ops, with a note
     assert "note" in json.loads(capsys.readouterr().out)
+
+
+def test_transform_plans_for_a_named_device_profile_and_train_takes_an_arena_policy(tmp_path, capsys):
+    source, out, report_path = tmp_path / "mlp.onnx", tmp_path / "mlp_v100.onnx", tmp_path / "t.json"
+    assert run_cli("export", "--model", "mlp", "-o", source) == 0
+    assert run_cli("transform", source, "-o", out, "--budget", "0.5x", "--input", "x=8x32", "--input", "y=8",
+                   "--device-profile", "V100-16GB-PCIe3", "--report", report_path) == 0
+    report = json.loads(report_path.read_text())
+    assert report["planning_profile"] == "V100-16GB-PCIe3" and report["swaps"]
+    assert report["planned_peak_bytes"] <= report["budget_bytes"]
+    with pytest.raises(SystemExit):  # argparse: not a profile name
+        run_cli("transform", source, "-o", out, "--budget", "0.5x", "--device-profile", "TPU")
+    json_path = tmp_path / "r.json"
+    assert run_cli("train", "--model", "mlp", "--budget", "0.5x", "--steps", "2", "--arena-policy", "double_buffer",
+                   "--json", json_path, "--quiet") == 0
+    trained = json.loads(json_path.read_text())
+    assert trained["within_budget"] and trained["passes"] == ["swap"]

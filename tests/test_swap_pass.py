@@ -80,5 +80,8 @@ def test_the_runtime_executes_a_rewritten_graph_with_real_swaps():
     report = trainer.report()
     assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0 and report["faults"] == 0
     assert report["peak_device_bytes"] <= budget
+    # The graph holds the swaps where the runtime placed them: reading it back gives the same
+    # memory profile as the plan that wrote it.
+    assert trainer.runner.last_trace.min_budget_bytes == result.prepared.trace.min_budget_bytes
     assert losses == expected_losses
     assert all(state_after[k].tobytes() == v.tobytes() for k, v in expected_state.items())
