@@ -48,6 +48,13 @@ def test_capacity_is_enforced():
 ops = st.lists(st.tuples(st.booleans(), st.integers(0, 2000)), min_size=1, max_size=60)
 
 
+def _free_some(allocator, live, pick):
+    """Free the live tensor ``pick`` selects (deterministically, from the drawn integer)."""
+    victim = sorted(live)[pick % len(live)]
+    allocator.free(victim)
+    del live[victim]
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_random_sequences_never_overlap_and_account_exactly(sequence):
@@ -58,9 +65,7 @@ def test_random_sequences_never_overlap_and_account_exactly(sequence):
             a.allocate(f"t{i}", size)
             live[f"t{i}"] = align_up(size)
         else:
-            victim = sorted(live)[size % len(live)]
-            a.free(victim)
-            del live[victim]
+            _free_some(a, live, size)
         a.check_no_overlap()
         assert a.in_use == sum(live.values())
         assert a.high_water >= a.high_water_live()
@@ -173,9 +178,7 @@ def test_random_regioned_sequences_never_overlap_and_account_exactly(sequence):
                 assert placed.offset == inside
                 assert region[0] <= placed.offset and placed.offset + placed.nbytes <= region[1]
         else:
-            victim = sorted(live)[size % len(live)]
-            a.free(victim)
-            del live[victim]
+            _free_some(a, live, size)
         a.check_no_overlap()
         assert a.in_use == sum(live.values())
         assert a._free == sorted(a._free) and all(o + h <= a.high_water_live() for o, h in a._free)
