@@ -799,6 +799,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             ref_median_step_s=timing["ref_median"],
             losses=timing["losses"],
             losses_bitwise_equal=_bitwise_equal(timing["losses"], ref_losses),
+            loss_max_rel_diff_vs_torch_eager=_rel_diff(timing["losses"], eager_losses),
             state_bitwise_equal=not state_bad,
             state_mismatches=state_bad[:10],
         )
@@ -891,6 +892,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     largest = cell("largest_batch", lambda v: f"{'≥' if row.get('largest_batch_capped') else ''}{v}")
     if row["kind"] == "ours":
         losses = "bitwise = ref" if row["losses_bitwise_equal"] and row["state_bitwise_equal"] else "DIFFERS"
+        losses += f"; vs eager {row['loss_max_rel_diff_vs_torch_eager']:.1e}"
     elif row["kind"] == "torch":
         ok = "ok" if row["losses_within_tolerance"] else "OUT OF TOL."
         losses = f"rel {m['loss_max_rel_diff']:.1e} ({ok})"

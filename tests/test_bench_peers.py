@@ -121,7 +121,7 @@ def test_ours_within_budget_and_bitwise_equal_to_unplanned(quick_run):
     base = result["model"]["baseline_peak_bytes"]
     steps = result["settings"]["warmup_steps"] + result["settings"]["measured_steps"]
     assert len(reference["losses"]) == steps and all(math.isfinite(x) for x in reference["losses"])
-    assert reference["metrics"]["peak_device_bytes"] == base
+    assert reference["metrics"]["peak_device_bytes"] == pytest.approx(base, rel=0.05)  # measured vs replayed
     for fraction in (1.0, 0.5, 0.25):
         assert rows[f"ours_swap_{fraction}x"]["metrics"]["budget_bytes"] == pytest.approx(fraction * base, abs=1)
     assert rows["ours_swap_min"]["metrics"]["budget_bytes"] == result["model"]["min_budget_bytes"]
@@ -135,6 +135,7 @@ def test_ours_within_budget_and_bitwise_equal_to_unplanned(quick_run):
         assert row["losses"] == reference["losses"], row["method"]  # bitwise: float equality of every loss
         assert row["losses_bitwise_equal"] is True and row["state_bitwise_equal"] is True, row["method"]
         assert m["loss_max_rel_diff"] == 0.0
+        assert row["loss_max_rel_diff_vs_torch_eager"] <= result["settings"]["torch_loss_rtol"]
         assert m["faults"] == 0  # static graph, plan intact
         assert m["recomputed"] == 0 or "recompute" in row["passes"]
         # the base batch ran within the budget, so the largest batch is at least the base
