@@ -48,6 +48,9 @@ Metrics per row (``METRICS``; each is a number or a string saying why there is n
   not fit). ``largest_batch_capped`` says the search stopped at the list's end.
 - ``swap_bytes_per_step`` (out + in), ``recomputed`` (ours: ``recomputed_nodes``; torch: aten
   ops run in backward beyond eager's count, from a ``TorchDispatchMode`` counter), ``faults``.
+- ``other_cpu_share`` (per row, not a metric): the share of all CPUs other processes used while
+  the row's steps ran (``/proc/stat`` busy time minus this process's own); above
+  ``CONTENTION_SHARE`` the row's step time is marked ``*`` and a warning says it is unreliable.
 - ``loss_max_rel_diff``: the largest relative loss difference to the reference over the same
   steps. Ours must be bitwise equal (``losses_bitwise_equal``, ``state_bitwise_equal``); torch
   within ``TORCH_LOSS_RTOL`` (AdamW in ONNX vs torch differs by ~5e-4 relative after a few
@@ -123,7 +126,7 @@ TORCH_NO_SWAP = "not applicable: torch keeps every tensor where it is (no swappi
 TORCH_NO_FAULTS = "not applicable: torch has no planned residency, so nothing can fault"
 OURS_NO_RSS = "not measured: the arena is one preallocated buffer capped at the budget, RSS does not show its use"
 REFERENCE_BUDGET = "unlimited (budget=None)"
-CONTENTION_LOAD = 0.5  # 1-min load average at the start above which other processes compete for the CPUs
+CONTENTION_SHARE = 0.15  # other processes' share of all CPUs while a row's steps ran above which its times are suspect
 
 # (method id, passes, budget label) of our rows, in table order
 OURS_ROWS = (
@@ -199,6 +202,35 @@ def _timed(fn: Callable[..., Any], *args) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
+class CpuMeter:
+    """CPU time of other processes while something runs: busy time of the whole machine
+    (``/proc/stat``) minus this process's own (children included), as a share of all CPUs."""
+
+    def __init__(self) -> None:
+        self.start = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / hz  # all but idle and iowait (guest is inside user)
+        t = os.times()
+        return time.perf_counter(), busy, t.user + t.system + t.children_user + t.children_system
+
+    def other_share(self) -> float | None:
+        """Share (0..1) of all CPUs other processes used since this meter started; None if unknown."""
+        end = self._snapshot()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall = end[0] - self.start[0]
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, other / (wall * (os.cpu_count() or 1)))
+
+
 class Interleaver:
     """Steps the reference trainer between the measured steps of another row."""
 
@@ -211,6 +243,7 @@ class Interleaver:
     def run(self, step: Callable[[tuple], float], *, warmup: int) -> dict[str, Any]:
         """``step(batch) -> loss`` over every batch; after each measured step, one reference step."""
         times, losses, ref_times = [], [], []
+        meter = CpuMeter()
         for i, batch in enumerate(self.batches):
             seconds, loss = _timed(step, batch)
             times.append(seconds)
@@ -225,7 +258,8 @@ class Interleaver:
         measured = times[warmup:]
         median, ref_median = bench.median(measured), bench.median(ref_times)
         return {"first_step_s": times[0], "step_times_s": measured, "ref_step_times_s": ref_times,
-                "median": median, "ref_median": ref_median, "ratio": median / ref_median, "losses": losses}
+                "median": median, "ref_median": ref_median, "ratio": median / ref_median, "losses": losses,
+                "other_cpu_share": meter.other_share()}
 
 
 def search_largest_batch(base: int, doublings: int, fits: Callable[[int], dict[str, Any]],
@@ -530,6 +564,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
 
     onnxruntime.set_default_logger_severity(3)  # errors only
     started = time.perf_counter()
+    run_meter = CpuMeter()
     say = log
     log = lambda msg: say(f"[{time.perf_counter() - started:6.1f} s] {msg}")  # noqa: E731
     spec = get_model(settings.model, settings.config)
@@ -592,10 +627,12 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
     log(f"{label}: {len(export.graph.graph.node)} nodes, batch {base_batch}, unplanned peak {baseline_peak} "
         f"bytes; reference: {steps} steps")
     ref_times, ref_losses = [], []
+    meter = CpuMeter()
     for batch in batches:
         seconds, loss = _timed(reference.step, *batch)
         ref_times.append(seconds)
         ref_losses.append(loss)
+    ref_other_share = meter.other_share()
     ref_state = reference.state_dict()
     ref_report = reference.report()
     ref_peak = int(ref_report["peak_device_bytes"])
@@ -626,6 +663,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         "setup_s": ref_setup_s,
         "first_step_s": ref_times[0],
         "step_times_s": ref_times[settings.warmup_steps:],
+        "other_cpu_share": ref_other_share,
         "losses": ref_losses,
         "losses_bitwise_equal": True,
         "state_bitwise_equal": True,
@@ -691,6 +729,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             step_times_s=timing["step_times_s"],
             ref_step_times_s=timing["ref_step_times_s"],
             ref_median_step_s=timing["ref_median"],
+            other_cpu_share=timing["other_cpu_share"],
             losses=timing["losses"],
             losses_within_tolerance=loss_diff <= settings.torch_loss_rtol,
             losses_bitwise_equal_torch_eager=_bitwise_equal(timing["losses"], eager_losses),
@@ -797,6 +836,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             step_times_s=timing["step_times_s"],
             ref_step_times_s=timing["ref_step_times_s"],
             ref_median_step_s=timing["ref_median"],
+            other_cpu_share=timing["other_cpu_share"],
             losses=timing["losses"],
             losses_bitwise_equal=_bitwise_equal(timing["losses"], ref_losses),
             loss_max_rel_diff_vs_torch_eager=_rel_diff(timing["losses"], eager_losses),
@@ -861,6 +901,8 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         "methods": list(METHODS),
         "rows": rows,
         "rss_probe_s": probe_s,
+        "other_cpu_share": run_meter.other_share(),
+        "contention_share": CONTENTION_SHARE,
         "all_ours_within_budget": all(r["within_budget"] for r in ours_ok),
         "all_ours_bitwise_equal": all(r["losses_bitwise_equal"] and r["state_bitwise_equal"] for r in ours_ok),
         "total_time_s": time.perf_counter() - started,
@@ -872,6 +914,11 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
+
+
+def _contended(row: dict[str, Any]) -> bool:
+    share = row.get("other_cpu_share")
+    return share is not None and share > CONTENTION_SHARE
 
 
 def _is_number(value: Any) -> bool:
@@ -905,7 +952,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
         {"ours": "runtime arena", "reference": "runtime arena", "torch": "torch.profiler"}[row["kind"]],
         cell("rss_growth_bytes", _mib),
         _mib(budget) if _is_number(budget) else "none",
-        cell("step_time_s_median", lambda v: f"{v * 1e3:.1f}"),
+        cell("step_time_s_median", lambda v: f"{v * 1e3:.1f}{'*' if _contended(row) else ''}"),
         cell("ratio_to_unplanned", lambda v: f"{v:.2f}"),
         largest,
         cell("swap_bytes_per_step", _mib),
@@ -921,14 +968,15 @@ COLUMNS = ("method", "peak MiB", "peak measured by", "RSS growth MiB", "budget M
 
 def notes(result: dict[str, Any]) -> list[str]:
     lines = [f"cuda: {result['cuda']['status']}"]
-    machine = result.get("machine", {})
-    load = machine.get("load_average_start")
-    threads = result["settings"]["torch_threads"]
-    if load and load[0] > CONTENTION_LOAD:
-        lines.append(f"WARNING: 1-min load average {load[0]:.2f} at the start on {machine.get('cpu_count')} CPUs: other "
-                     f"processes competed for the CPUs. torch's OpenMP threads ({threads}) slow down badly when a "
-                     "core is taken (each parallel region waits for its slowest thread); ONNX Runtime's pool much "
-                     "less. Rerun on an idle machine (or with --torch-threads 1) before reading torch step times.")
+    contended = [r for r in result["rows"] if _contended(r)]
+    if contended:
+        threads = result["settings"]["torch_threads"]
+        share = ", ".join(f"{r['label']} {100 * r['other_cpu_share']:.0f}%" for r in contended)
+        lines.append(f"WARNING (* on step ms): other processes used more than {100 * CONTENTION_SHARE:.0f}% of the "
+                     f"CPUs while these rows' steps ran ({share}; {100 * (result['other_cpu_share'] or 0):.0f}% over "
+                     "the whole run): their step times and ratios are unreliable (interleaving with the reference "
+                     f"evens out steady load, not bursts). torch's OpenMP threads ({threads}) suffer most: each "
+                     "parallel region waits for its slowest thread. Rerun on an idle machine.")
     model = result["model"]
     lines.append(f"model: {model['name']} {model['config']}, batch {model['batch']}, seq {model['seq']}, "
                  f"{model['parameters']:,} parameters, {model['graph_nodes']} ONNX nodes (export "
@@ -939,7 +987,8 @@ def notes(result: dict[str, Any]) -> list[str]:
                  "the row's budget; ≥ = the largest size tried fits")
     lines.append("RSS growth: torch rows re-run in a child process with malloc returning freed blocks to the "
                  "kernel, peak RSS of one step minus RSS before it (a cross-check of the profiler's high-water, "
-                 "which excludes the resident parameters and AdamW state that 'peak' includes)")
+                 "which excludes the resident parameters and AdamW state that 'peak' includes; the kernel batches RSS "
+                 "counters per thread, so differences of a few hundred KiB are noise)")
     lines.append("recomputed: ours = nodes added by the recompute pass; torch = aten ops run in backward "
                  "beyond eager's count")
     for row in result["rows"]:
