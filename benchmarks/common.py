@@ -73,6 +73,11 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def results_dir(out: Path | None) -> Path:
+    """``out``, or the default ``benchmarks/results/<YYYY-MM-DD>``."""
+    return Path(out) if out is not None else RESULTS_DIR / datetime.date.today().isoformat()
+
+
 def write_json_atomic(path: Path, document: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -98,8 +103,12 @@ def run_main(
     table_width: int,
     measure: Callable[[Callable[[str], None]], dict[str, Any]],
     print_table: Callable[[dict[str, Any], Any], None],
+    extra_outputs: Callable[[dict[str, Any], Path], Sequence[Path]] | None = None,
 ) -> int:
-    """Measure (logging to stderr), write the JSON atomically, print the table."""
+    """Measure (logging to stderr), write the JSON atomically, print the table.
+
+    ``extra_outputs(result, out_dir)``, if given, writes further files next to the JSON (after
+    it, each atomically) and returns their paths."""
     from rich.console import Console
 
     width = max(shutil.get_terminal_size((table_width, 24)).columns, table_width)
@@ -112,8 +121,10 @@ def run_main(
     result.update(measure(lambda msg: err.print(f"[dim]{msg}[/]")))
     if hasattr(os, "getloadavg"):
         result["machine"]["load_average_end"] = list(os.getloadavg())
-    out_dir = out if out is not None else RESULTS_DIR / datetime.date.today().isoformat()
+    out_dir = results_dir(out)
     path = write_json_atomic(Path(out_dir) / result_file, result)
+    extra = list(extra_outputs(result, Path(out_dir))) if extra_outputs is not None else []
     print_table(result, console)
-    console.print(f"wrote {path}")
+    for written in (path, *extra):
+        console.print(f"wrote {written}")
     return 0
