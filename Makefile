@@ -25,6 +25,7 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.swap
+	$(PY) -m benchmarks.peers
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
