@@ -53,6 +53,9 @@ class DeviceProfile:
     # Fixed cost of running one execution block (binding its tensors, one session call) on top
     # of its kernels: what makes many small blocks slower than a few large ones.
     block_overhead_s: float = 0.0
+    # Whether copies run beside compute (a GPU's copy engines) or take the same cores and
+    # memory bus (the CPU device, where a swap is a memcpy): then no copy hides under compute.
+    copies_overlap_compute: bool = True
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "duplex_bandwidth"):
@@ -242,9 +245,11 @@ def measure_cpu_profile(
             cached = {}
     if not refresh and key in cached:
         try:
-            # The per-block cost is a constant, not measured: a cache from before it existed
-            # (or from another value) gets the current one.
-            return DeviceProfile.from_dict({**cached[key], "block_overhead_s": CPU_BLOCK_OVERHEAD_S})
+            # The per-block cost and copy overlap are constants, not measured: a cache from
+            # before they existed (or with other values) gets the current ones.
+            return DeviceProfile.from_dict(
+                {**cached[key], "block_overhead_s": CPU_BLOCK_OVERHEAD_S, "copies_overlap_compute": False}
+            )
         except (TypeError, ValueError) as e:
             logger.warning("ignoring bad cached profile for %r in %s (%s)", key, path, e)
 
@@ -262,6 +267,7 @@ def measure_cpu_profile(
         device_memory_bytes=_physical_memory_bytes(),
         kernel_launch_s=CPU_KERNEL_LAUNCH_S,
         block_overhead_s=CPU_BLOCK_OVERHEAD_S,
+        copies_overlap_compute=False,
     )
     logger.info("measured cpu profile for %s: %.1f GFLOP/s, %.1f GB/s memory, %.1f GB/s memcpy",
                 key, flops / 1e9, profile.memory_bandwidth / 1e9, link / 1e9)

@@ -41,7 +41,10 @@ program runs under), so with instantaneous copies ``peak_bytes`` equals it. ``bu
 lifts the cap (copies and blocks never wait for memory).
 
 ``stall_time_s`` is the time the compute stream sits idle before its last block ends (waiting
-for loads, swap-ins, or memory); ``step_time_s`` is when the last event of any stream ends.
+for loads, swap-ins, or memory); ``step_time_s`` is when the last event of any stream ends. On a
+profile whose copies do not overlap compute (``copies_overlap_compute=False``: the CPU device,
+where a swap is a memcpy on the same cores), the step is the compute time plus every copy's
+time, and the stall is the copies' time; the event trace still shows the replay.
 """
 
 from __future__ import annotations
@@ -173,6 +176,10 @@ def simulate_time(
             break
         seen.add(overlapping)
         duplex = overlapping
+    if not profile.copies_overlap_compute:
+        # The copies take the compute's own cores: nothing hides, every copy adds its time.
+        copies = trace.h2d_busy_s + trace.d2h_busy_s
+        trace = dataclasses.replace(trace, step_time_s=trace.compute_time_s + copies, stall_time_s=copies)
     return trace
 
 

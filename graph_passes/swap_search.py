@@ -90,6 +90,7 @@ class SwapSearch:
         planner: SwapPlanner | None = None,
         max_block_sizes: int = DEFAULT_MAX_BLOCK_SIZES,
         state_placements: Sequence[str] = STATE_PLACEMENTS,
+        early_swap_outs: bool = True,
     ) -> None:
         unknown = set(state_placements) - set(STATE_PLACEMENTS)
         if unknown:
@@ -97,6 +98,8 @@ class SwapSearch:
         self.planner = planner or SwapPlanner()
         self.max_block_sizes = max_block_sizes
         self.state_placements = tuple(state_placements)
+        # Issuing swap-outs early pays where copies overlap compute (a GPU's copy engines).
+        self.early_swap_outs = early_swap_outs
 
     def search(
         self,
@@ -123,9 +126,10 @@ class SwapSearch:
                 if isinstance(plan, Infeasible):
                     break  # the same for every placement of this program
                 planned_any = True
-                placed = hoist_swap_ins(
-                    issue_swap_outs_early(apply_swap_plan(program, plan)), infos, budget=budget, alignment=alignment
-                )
+                applied = apply_swap_plan(program, plan)
+                if self.early_swap_outs:
+                    applied = issue_swap_outs_early(applied)
+                placed = hoist_swap_ins(applied, infos, budget=budget, alignment=alignment)
                 trace = simulate_program(placed, infos, budget=budget, alignment=alignment)
                 if trace.min_budget_bytes > budget:
                     considered.append((len(program.blocks), label, None))

@@ -41,6 +41,14 @@ class OffloadDevice:
     planning_profile: str | None = None
     # Where the arena places tensors: "best_fit" or "double_buffer" (ort_offload.arena).
     arena_policy: str = "best_fit"
+    # Swap-outs copy on a background engine and free their bytes when done (True), or copy
+    # before the program goes on (False). None: asynchronous except on the CPU device, where
+    # the copy thread would take the cores the blocks compute on.
+    async_swap_outs: bool | None = None
+
+    @property
+    def swap_outs_are_async(self) -> bool:
+        return self.async_swap_outs if self.async_swap_outs is not None else self.kind != "cpu"
 
     @property
     def providers(self) -> list[str]:
@@ -59,6 +67,7 @@ def set_offload_device(
     drop_prefetches: bool = False,
     planning_profile: str | None = None,
     arena_policy: str = "best_fit",
+    async_swap_outs: bool | None = None,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
     name = str(kind).strip().lower()
@@ -81,4 +90,5 @@ def set_offload_device(
     return OffloadDevice(
         kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
+        async_swap_outs=async_swap_outs,
     )

@@ -29,7 +29,7 @@ from graph_passes.shapes import TensorInfo
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, required_bytes
-from graph_passes.swap_search import SwapSearch
+from graph_passes.swap_search import STATE_NONE, SwapSearch
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.block_session import BlockSession, default_session_options
@@ -258,7 +258,14 @@ class GraphRunner:
             return simulate_time(program, infos, model=self.model, cost_model=cost_model, profile=profile,
                                  budget=budget, alignment=alignment).step_time_s
 
-        result = SwapSearch().search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
+        if profile.copies_overlap_compute:
+            search = SwapSearch()
+        else:
+            # Copies cost the compute's own cores whenever they run (the CPU device): nothing to
+            # overlap, so Belady's own plan, with evictions where memory needs them, measured
+            # fastest here (benchmarks/swap.py); only the block size is searched.
+            search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
+        result = search.search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
         if result is None:
             return None, needed
         best = result.best
@@ -367,6 +374,7 @@ class _StepExecution:
         self.drop_prefetches = runner.runtime.device.drop_prefetches
         self.copies = runner.runtime.copy_engine
         self.evictions = runner.runtime.evict_engine
+        self.async_swap_outs = runner.runtime.device.swap_outs_are_async
         # Placement: which part of the arena each block's tensors go to (ort_offload.arena).
         usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
         self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
@@ -498,14 +506,18 @@ class _StepExecution:
         if self.copies.in_flight(name):
             self.stats.swap_time_s += self.copies.wait(name)[0]
         if step.copy or name not in self.host:
-            # The copy runs on the device→host engine; the bytes are freed when it is done.
             source = self.arena.view(name)
             target = np.empty(source.shape, dtype=source.dtype)
-            self.leaving[name] = target
-            self.evictions.submit(name, lambda: np.copyto(target, source))
             self.stats.swap_out_bytes += self.infos[name].nbytes
-        else:  # the host copy is current: drop
-            self.arena.free(name)
+            if self.async_swap_outs:  # on the device→host engine; the bytes are freed when done
+                self.leaving[name] = target
+                self.evictions.submit(name, lambda: np.copyto(target, source))
+                return
+            started = time.perf_counter()
+            np.copyto(target, source)
+            self.host.adopt(name, target)
+            self.stats.swap_time_s += time.perf_counter() - started
+        self.arena.free(name)  # copied, or the host copy was current: a drop
 
     def swap_in(self, step: SwapIn) -> None:
         if self.drop_prefetches:  # test mode: leave it to the fault handler

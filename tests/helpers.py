@@ -28,12 +28,17 @@ def batches(name: str, steps: int, *, seq_lengths=None, config="tiny"):
 
 
 def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny", block_nodes=None,
-              data=None, drop_prefetches=False, arena_policy=None, **options) -> Run:
+              data=None, drop_prefetches=False, arena_policy=None, async_swap_outs=None, planning_profile=None,
+              **options) -> Run:
     spec = get_model(name, config)
     data = data or batches(name, steps, config=config)
     kwargs = {"max_block_nodes": block_nodes} if block_nodes else {}
     if arena_policy is not None:
         kwargs["arena_policy"] = arena_policy
+    if async_swap_outs is not None:
+        kwargs["async_swap_outs"] = async_swap_outs
+    if planning_profile is not None:
+        kwargs["planning_profile"] = planning_profile
     device = ort_offload.set_offload_device("cpu", budget=budget, drop_prefetches=drop_prefetches, **kwargs)
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],

@@ -195,3 +195,14 @@ def test_hoisted_programs_run_bitwise_equal_in_the_runtime(where):
     assert runtime.stats.peak_device_bytes <= budget
     assert losses == ref_losses
     assert all(state[k].tobytes() == ref_state[k].tobytes() for k in ref_state)
+
+
+def test_copies_that_share_the_compute_cores_add_their_whole_time():
+    graph, infos, _, planned, budget = planned_chain(256, 0.4)
+    shared = dataclasses.replace(V100_16GB_PCIE3, name="cpu-like", copies_overlap_compute=False)
+    overlapped = simulate_time(planned, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=budget)
+    serial = simulate_time(planned, infos, model=graph.model, profile=shared, budget=budget)
+    copies = serial.h2d_busy_s + serial.d2h_busy_s
+    assert copies > 0
+    assert serial.step_time_s == pytest.approx(serial.compute_time_s + copies)
+    assert serial.step_time_s >= overlapped.step_time_s

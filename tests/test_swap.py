@@ -46,9 +46,25 @@ def test_training_under_a_fraction_of_the_peak_is_bitwise_unplanned(unplanned, n
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_async_swap_outs_and_a_gpu_plan_give_identical_results_within_the_budget(unplanned, name):
+    """Swap-outs on the background engine, with the plan made for the V100 profile (early
+    swap-outs; state on the host between steps where the search found it faster), run on the
+    CPU device."""
+    reference = unplanned[name]
+    run = train_ort(name, optimizer="adamw", steps=5, budget="0.5x", async_swap_outs=True,
+                    planning_profile="V100-16GB-PCIe3")
+    report = run.trainer.report()
+    assert report["peak_device_bytes"] <= report["budget_bytes"] and report["faults"] == 0
+    assert report["swap_out_bytes"] > 0
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
 def test_double_buffered_arena_gives_identical_results_within_the_budget(unplanned, name):
     reference = unplanned[name]
-    run = train_ort(name, optimizer="adamw", steps=5, budget="0.5x", arena_policy="double_buffer")
+    run = train_ort(name, optimizer="adamw", steps=5, budget="0.5x", arena_policy="double_buffer",
+                    async_swap_outs=True)
     report = run.trainer.report()
     assert report["peak_device_bytes"] <= report["budget_bytes"] and report["faults"] == 0
     program = run.trainer.runner.last_prepared.program
