@@ -37,7 +37,7 @@ from ort_offload.errors import ExportError, InputMismatchError
 logger = logging.getLogger(__name__)
 
 OPSET_VERSION = 20
-EXPORTER_VERSION = "5"  # bump when the exported graph's layout changes: invalidates caches
+EXPORTER_VERSION = "6"  # bump when the exported graph's layout changes: invalidates caches
 LOSS_OUTPUT = "loss"
 CACHE_ENV = "ORT_OFFLOAD_CACHE_DIR"
 
@@ -481,6 +481,7 @@ def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mappi
     model = ir.to_proto(ir_model)
     model.graph.name = name
     _name_dynamic_dims(model, axes)
+    _seed_random_ops(model)
     for node in model.graph.node:
         for out in node.output:
             if out and out not in roles:
@@ -490,6 +491,23 @@ def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mappi
     except onnx.checker.ValidationError as e:
         raise ExportError(f"exported graph of {name} is not valid ONNX: {str(e).splitlines()[0]}") from e
     return TrainingGraph(model=model, roles=roles, state_pairs=pairs, name=name)
+
+
+SEEDED_RANDOM_OPS = ("Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike",
+                     "Bernoulli", "Multinomial")
+
+
+def _seed_random_ops(model: onnx.ModelProto) -> None:
+    """Give every random node without a seed one derived from its name. ONNX Runtime seeds a
+    node's generator once per session, so each run then draws the next masks of a fixed
+    sequence: the same in one whole-graph session as in block sessions, which makes training
+    with Dropout reproducible and lets planned runs equal unplanned ones bitwise."""
+    for node in model.graph.node:
+        if node.op_type in SEEDED_RANDOM_OPS and not any(a.name == "seed" for a in node.attribute):
+            digest = hashlib.sha256(node.name.encode("utf-8")).digest()
+            seed = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+            attr = onnx.helper.make_attribute("seed", float(seed) if node.op_type != "Dropout" else seed)
+            node.attribute.append(attr)
 
 
 def _name_dynamic_dims(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> None:

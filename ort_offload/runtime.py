@@ -26,6 +26,8 @@ from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
 from graph_passes.shapes import TensorInfo
+from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, forward_segments
+from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, required_bytes
@@ -71,6 +73,8 @@ class PreparedStep:
     passes: tuple[str, ...] = ()  # passes this program applies
     base_program: Program | None = None  # the lowering the swap plan was made for
     swap_plan: SwapPlan | None = None
+    model: onnx.ModelProto | None = None  # the graph the program runs (rewritten by recompute)
+    recomputed_nodes: int = 0  # clone nodes the recompute pass added
 
 
 class Runtime:
@@ -174,7 +178,7 @@ class GraphRunner:
         self.graph = graph
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
-        self._sessions: dict[tuple[int, ...], BlockSession] = {}
+        self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
         self.last_prepared: PreparedStep | None = None
@@ -201,17 +205,7 @@ class GraphRunner:
         needed = None
         chosen = None
         programs = []
-        for block_nodes in block_size_candidates(len(self.model.graph.node), self.runtime.device.max_block_nodes):
-            program = lower(
-                self.model,
-                infos,
-                state_pairs=self.graph.state_pairs,
-                data_inputs=self.graph.data_inputs,
-                fetches=self.fetches,
-                max_block_nodes=block_nodes,
-                schedule=self.schedule,
-                swap_points=self.swap_points,
-            )
+        for program in self._lowerings(self.model, infos, self.schedule):
             programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
             if needed is None:  # the largest blocks: the unplanned program
@@ -222,10 +216,16 @@ class GraphRunner:
             if budget is None or trace.min_budget_bytes <= budget:
                 chosen = (program, trace, (), program, None)
                 break
+        model, recomputed = self.model, 0
+        if chosen is None and "recompute" in self.passes and self.graph.loss_name:
+            model, infos, programs, chosen, recomputed, needed = self._plan_recompute(infos, budget, programs, needed)
         if chosen is None and "swap" in self.passes:
-            chosen, needed = self._plan_swaps(programs, infos, budget)
+            chosen, needed = self._plan_swaps(programs, infos, budget, model)
+            if chosen is not None and recomputed:
+                chosen = (*chosen[:2], ("recompute", "swap"), *chosen[3:])
         if chosen is None:
-            how = "with swapping" if "swap" in self.passes else "without offload passes (try --passes auto)"
+            offered = [p for p in ("recompute", "swap") if p in self.passes]
+            how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
                 f"{self.graph.name} needs {how}; raise the budget to at least that",
@@ -233,7 +233,8 @@ class GraphRunner:
                 budget_bytes=budget,
             )
         program, trace, applied, base, plan = chosen
-        prepared = PreparedStep(signature, infos, program, trace, applied, base, plan)
+        prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
+                                recomputed_nodes=recomputed)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.last_prepared = prepared
@@ -245,7 +246,59 @@ class GraphRunner:
         )
         return prepared
 
-    def _plan_swaps(self, programs, infos, budget: int):
+    def _lowerings(self, model: onnx.ModelProto, infos, schedule):
+        """``model`` lowered with each candidate block size, largest first (lazily)."""
+        for block_nodes in block_size_candidates(len(model.graph.node), self.runtime.device.max_block_nodes):
+            yield lower(
+                model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
+                fetches=self.fetches, max_block_nodes=block_nodes, schedule=schedule, swap_points=self.swap_points,
+            )
+
+    def _plan_recompute(self, infos, budget: int, programs, needed: int):
+        """Recompute forward segments until the graph fits ``budget`` (or, with swap also
+        allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
+        None, clone count, least budget).
+
+        The planner's checks lower the rewritten graph into single-node blocks (the least
+        budget any block size gives, one lowering per check); the chosen graph then gets the
+        largest blocks that fit."""
+        alignment = self.runtime.device.alignment
+        loss = self.graph.loss_name
+        segments = forward_segments(self.model, infos, loss_name=loss)
+        rewritten: dict[tuple[int, ...], tuple] = {}
+        finest = self.runtime.device.max_block_nodes or 1
+
+        def rewrite(plan: RecomputePlan):
+            key = tuple(s.index for s in plan.segments)
+            if key not in rewritten:
+                model, clones = write_recompute_plan(self.model, plan, loss_name=loss)
+                model_infos = recomputed_infos(infos, model)
+                schedule = order_dependent_last(model)
+                program = lower(model, model_infos, state_pairs=self.graph.state_pairs,
+                                data_inputs=self.graph.data_inputs, fetches=self.fetches, max_block_nodes=finest,
+                                schedule=schedule, swap_points=self.swap_points)
+                least = simulate_program(program, model_infos, alignment=alignment).min_budget_bytes
+                rewritten[key] = (model, model_infos, schedule, clones, least)
+            return rewritten[key]
+
+        result = RecomputePlanner().plan(segments, budget, lambda plan: rewrite(plan)[4])
+        if isinstance(result, NoRecomputePlan):
+            if "swap" not in self.passes:
+                return self.model, infos, programs, None, 0, min(needed, result.needed_bytes)
+            result = RecomputePlan(tuple(segments))  # as far as recompute goes; swap does the rest
+        model, model_infos, schedule, clones, least = rewrite(result)
+        lowered = []
+        for program in self._lowerings(model, model_infos, schedule):
+            lowered.append(program)
+            trace = simulate_program(program, model_infos, alignment=alignment)
+            if trace.min_budget_bytes <= budget:
+                logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved",
+                            self.graph.name, len(result.segments), len(segments), clones,
+                            format_bytes(result.saved_bytes))
+                return model, model_infos, lowered, (program, trace, ("recompute",), program, None), clones, least
+        return model, model_infos, lowered, None, clones, min(needed, least)
+
+    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the device's planning profile); else (None, least budget any of them needs)."""
         alignment = self.runtime.device.alignment
@@ -255,7 +308,7 @@ class GraphRunner:
         cost_model = AnalyticalCostModel(profile)
 
         def step_time(program: Program) -> float:
-            return simulate_time(program, infos, model=self.model, cost_model=cost_model, profile=profile,
+            return simulate_time(program, infos, model=model, cost_model=cost_model, profile=profile,
                                  budget=budget, alignment=alignment).step_time_s
 
         if profile.copies_overlap_compute:
@@ -291,19 +344,21 @@ class GraphRunner:
 
     def session(self, prepared: PreparedStep, block_index: int) -> BlockSession:
         block = prepared.program.blocks[block_index]
-        session = self._sessions.get(block.node_indices)
+        model = prepared.model if prepared.model is not None else self.model
+        key = (id(model), block.node_indices)
+        session = self._sessions.get(key)
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
             # Only a block holding most of the graph spins: idle pools of other sessions would
             # steal its cores, and its own spinning after it ends costs the short tail little.
-            dominant = 2 * len(block.node_indices) >= len(self.model.graph.node)
-            serial = any(is_order_dependent(self.model.graph.node[i]) for i in block.node_indices)
+            dominant = 2 * len(block.node_indices) >= len(model.graph.node)
+            serial = any(is_order_dependent(model.graph.node[i]) for i in block.node_indices)
             session = BlockSession(
-                self.model, block, elem_types,
+                model, block, elem_types,
                 session_options=self.runtime.session_options(spinning=dominant and not serial, serial=serial),
                 providers=self.runtime.device.providers,
             )
-            self._sessions[block.node_indices] = session
+            self._sessions[key] = session
         return session
 
     def run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:

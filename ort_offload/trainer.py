@@ -31,7 +31,9 @@ from ort_offload.runtime import GraphRunner, Runtime
 
 logger = logging.getLogger(__name__)
 
-AVAILABLE_PASSES: tuple[str, ...] = ("swap",)  # recompute and split arrive with their issues
+AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap")  # split arrives with its issue
+# What "auto" uses: swap alone until the planner chooses between swap and recompute by cost.
+AUTO_PASSES: tuple[str, ...] = ("swap",)
 PASS_CHOICES = ("auto", "none")
 CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 
@@ -42,7 +44,7 @@ def resolve_passes(passes: str | Sequence[str]) -> list[str]:
         if passes == "none":
             return []
         if passes == "auto":
-            return list(AVAILABLE_PASSES)  # each is used only when the budget needs it
+            return list(AUTO_PASSES)  # each is used only when the budget needs it
         passes = [p.strip() for p in passes.split(",") if p.strip()]
     unknown = [p for p in passes if p not in AVAILABLE_PASSES]
     if unknown:
@@ -265,7 +267,7 @@ class OrtTrainer:
             "losses": list(self.losses),
             "swap_out_bytes": stats.swap_out_bytes,
             "swap_in_bytes": stats.swap_in_bytes,
-            "recomputed_nodes": 0,
+            "recomputed_nodes": max((p.recomputed_nodes for p in self.runner.prepared_steps()), default=0),
             "split_nodes": 0,
             "faults": stats.faults,
             "prefetch_hits": stats.prefetch_hits,

@@ -1,0 +1,181 @@
+"""Recompute planning (Mimose, checkpointing): which forward segments drop their saved
+activations and re-create them for the backward.
+
+A training-step graph's **forward** is the set of nodes the loss depends on; every other node
+(gradients, optimizer) is **backward**. A forward value a backward node reads is *saved*: it
+stays in memory from the forward until its backward use, which is what makes the peak.
+
+**Segments** (:func:`forward_segments`). The exported joint graph has lost the torch module
+scopes (its nodes are named after the re-exported joint graph), so layers are found from the
+graph itself: walking the forward in graph order, a *cut* is a position where exactly one
+non-trivial forward value is live (produced before, read by a forward node after): the residual
+stream between two transformer layers, the feature map between two CNN stages. Values of at
+most :data:`TRIVIAL_BYTES` (shapes, scalars) do not count, nor do values read over more than
+:data:`LONG_LIVED_SHARE` of the forward (a causal mask every layer reads). The forward nodes between two cuts
+form a segment; segments saving less than :data:`MIN_SEGMENT_SHARE` of all saved bytes are merged
+into the next one.
+
+**Plans** (:class:`RecomputePlanner`). Recomputing a segment means the backward reads clones
+of its saved values, computed from what the segment read (its checkpoint: the cut value, the
+parameters, random ops' outputs) right before the first backward node needs them; the originals
+then die at their last forward use. Random ops (Dropout and the random generators) are never
+cloned: their outputs are kept, so a recomputation replays the same mask. The greedy planner
+(Mimose's rule) repeatedly picks the segment whose saving is the smallest one covering the
+remaining excess, else the largest, until the memory replay fits the budget. The plan is a
+frozen :class:`RecomputePlan`; :mod:`graph_passes.recompute_pass` applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import onnx
+
+from graph_passes.liveness import consumed_names
+from graph_passes.shapes import TensorInfo
+
+TRIVIAL_BYTES = 1024
+LONG_LIVED_SHARE = 0.25  # of the forward's nodes: values read over a longer span never make a cut
+MIN_SEGMENT_SHARE = 0.02
+# Ops whose outputs are random draws: never cloned (a clone would draw a new mask).
+RANDOM_OPS = frozenset({
+    "Dropout", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli", "Multinomial",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive forward nodes between two cuts."""
+
+    index: int
+    nodes: tuple[int, ...]  # node indices, graph order
+    saved: tuple[str, ...]  # outputs of these nodes that backward nodes read (random outputs excluded)
+    saved_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputePlan:
+    """Segments whose saved values the backward recomputes."""
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.saved_bytes for s in self.segments)
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(name for s in self.segments for name in s.saved)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoRecomputePlan:
+    """Why recompute cannot meet the budget: even every segment recomputed needs ``needed_bytes``."""
+
+    needed_bytes: int
+    reason: str
+
+
+def forward_nodes(model: onnx.ModelProto, loss_name: str) -> set[int]:
+    """Indices of the nodes the loss depends on."""
+    nodes = list(model.graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    if loss_name not in producer:
+        raise ValueError(f"no node produces the loss {loss_name!r}")
+    forward: set[int] = set()
+    stack = [producer[loss_name]]
+    while stack:
+        index = stack.pop()
+        if index in forward:
+            continue
+        forward.add(index)
+        stack.extend(producer[name] for name in consumed_names(nodes[index]) if name in producer)
+    return forward
+
+
+def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *, loss_name: str) -> list[Segment]:
+    """The forward cut into segments at single-live-value points (see the module docstring)."""
+    nodes = list(model.graph.node)
+    forward = forward_nodes(model, loss_name)
+    order = [i for i in range(len(nodes)) if i in forward]
+    produced_by = {o: i for i in order for o in nodes[i].output if o}
+    last_forward_read: dict[str, int] = {}
+    for position, index in enumerate(order):
+        for name in consumed_names(nodes[index]):
+            if name in produced_by:
+                last_forward_read[name] = position
+    read_by_backward: set[str] = set()
+    for index, node in enumerate(nodes):
+        if index not in forward:
+            read_by_backward.update(n for n in consumed_names(node) if n in produced_by)
+
+    def nbytes(name: str) -> int:
+        info = infos.get(name)
+        return info.nbytes if info is not None else 0
+
+    # Live non-trivial forward values between positions, by a sweep over births and deaths.
+    # Values read across much of the forward (attention masks, position tables) are like
+    # parameters here: every layer reads them, so they never make a cut.
+    span = LONG_LIVED_SHARE * len(order)
+    cuts = []
+    live: set[str] = set()
+    for position, index in enumerate(order):
+        if position > 0 and len(live) == 1:
+            cuts.append(position)
+        for name in nodes[index].output:
+            last = last_forward_read.get(name, -1)
+            if name and last > position and nbytes(name) > TRIVIAL_BYTES and last - position <= span:
+                live.add(name)
+        live = {n for n in live if last_forward_read[n] > position}
+    bounds = [0] + cuts + [len(order)]
+    raw = []
+    for start, end in zip(bounds, bounds[1:]):
+        members = tuple(order[start:end])
+        saved = tuple(o for i in members if nodes[i].op_type not in RANDOM_OPS
+                      for o in nodes[i].output if o in read_by_backward)
+        raw.append((members, saved))
+    total = sum(nbytes(n) for _, saved in raw for n in saved) or 1
+    merged: list[tuple[tuple[int, ...], tuple[str, ...]]] = []
+    carry: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
+    for members, saved in raw:
+        carry = (carry[0] + members, carry[1] + saved)
+        if sum(nbytes(n) for n in carry[1]) >= MIN_SEGMENT_SHARE * total:
+            merged.append(carry)
+            carry = ((), ())
+    if carry[0]:
+        if merged:
+            merged[-1] = (merged[-1][0] + carry[0], merged[-1][1] + carry[1])
+        else:
+            merged.append(carry)
+    return [Segment(k, members, saved, sum(nbytes(n) for n in saved)) for k, (members, saved) in enumerate(merged)]
+
+
+class RecomputePlanner:
+    """Greedy segment choice under a budget (Mimose §4.3's rule), checked by ``needed_bytes``:
+    a function from a plan to the least budget the rewritten graph runs in (the caller lowers
+    the rewritten graph and replays it through the arena)."""
+
+    def plan(
+        self, segments: Sequence[Segment], budget: int, needed_bytes: Callable[[RecomputePlan], int]
+    ) -> RecomputePlan | NoRecomputePlan:
+        chosen: list[Segment] = []
+        remaining = [s for s in segments if s.saved_bytes > 0]
+        need = needed_bytes(RecomputePlan(()))
+        while need > budget:
+            if not remaining:
+                return NoRecomputePlan(need, "recomputing every forward segment still does not fit the budget")
+            excess = need - budget
+            covering = [s for s in remaining if s.saved_bytes >= excess]
+            pick = (min(covering, key=lambda s: (s.saved_bytes, s.index)) if covering
+                    else max(remaining, key=lambda s: (s.saved_bytes, -s.index)))
+            remaining.remove(pick)
+            chosen.append(pick)
+            need = needed_bytes(RecomputePlan(tuple(sorted(chosen, key=lambda s: s.index))))
+        return RecomputePlan(tuple(sorted(chosen, key=lambda s: s.index)))
+
+
+__all__ = [
+    "NoRecomputePlan", "RANDOM_OPS", "RecomputePlan", "RecomputePlanner", "Segment", "forward_nodes",
+    "forward_segments",
+]
