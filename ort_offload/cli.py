@@ -21,7 +21,7 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None, help="device budget: bytes, 64MiB, 1.5GiB or 0.5x of the unplanned peak (default: unlimited)")
     parser.add_argument("--steps", type=int, default=5, help="training steps to run (default 5)")
     parser.add_argument("--passes", default="auto",
-                        help="auto (what the budget needs), none, or a comma list of passes (swap)")
+                        help="auto (what the budget needs: swap), none, or a comma list of passes (recompute, swap)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     transform.add_argument("graph", help="training-step .onnx file")
     transform.add_argument("-o", "--output", required=True, help="rewritten .onnx path")
     transform.add_argument("--budget", required=True, help="device budget: bytes, 64MiB or 0.5x of the unplanned peak")
-    transform.add_argument("--passes", default="auto", help="auto, none, or a comma list (swap)")
+    transform.add_argument("--passes", default="auto", help="auto, none, or a comma list (recompute, swap)")
     transform.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
                            help="concrete shape of an input with symbolic dims (repeatable)")
     transform.add_argument("--report", dest="json_path", default=None, help="write what changed and why as JSON")

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from custom_ops.registry import DOMAIN
 from graph_passes.shapes import check_inputs
+from graph_passes.recompute_pass import PASS_KEY as RECOMPUTE_KEY
 from graph_passes.swap_pass import SwapPass
 from graph_passes.swap_planner import placed_plan
 from graph_passes.program import SwapOut
@@ -46,7 +47,7 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
     """The graph rewritten with the plan for ``device``'s budget, and a report of what changed."""
     runner, prepared = plan_graph(graph, device, shapes, passes)
     budget = runner.runtime.budget_bytes
-    model = graph.model
+    model = prepared.model if prepared.model is not None else graph.model  # with recompute's clones
     swaps = []
     if prepared.swap_plan is not None:
         # The swaps where the runtime runs them (early swap-outs, hoisted swap-ins).
@@ -64,6 +65,9 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
                     if kind == "swap_out" else "needed by a later step; issued as early as memory allows",
                 })
     roles = dict(graph.roles)
+    for node in model.graph.node:
+        if any(p.key == RECOMPUTE_KEY for p in node.metadata_props):
+            roles.update({o: Role.ACTIVATION for o in node.output if o})
     for node in model.graph.node:  # host and device copies take the role of what they copy
         if node.domain == DOMAIN:
             source = node.input[0]
@@ -79,6 +83,7 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
         "planning_profile": runner.runtime.planning_profile().name if prepared.swap_plan is not None else None,
         "blocks": len(prepared.program.blocks),
         "passes": list(prepared.passes),
+        "recomputed_nodes": prepared.recomputed_nodes,
         "swap_out_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_out" and s["copy"]),
         "swap_in_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_in"),
         "host_state": list(prepared.program.host_state),  # state kept on the host between steps

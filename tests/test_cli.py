@@ -200,3 +200,29 @@ def test_transform_plans_for_a_named_device_profile_and_train_takes_an_arena_pol
                    "--json", json_path, "--quiet") == 0
     trained = json.loads(json_path.read_text())
     assert trained["within_budget"] and trained["passes"] == ["swap"]
+
+
+def test_transform_with_recompute_writes_clones_that_stock_onnxruntime_runs_identically(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    from graph_passes.training_graph import TrainingGraph
+    from ort_offload.graph_inputs import random_batch, random_state
+
+    source, out, report_path = tmp_path / "gpt.onnx", tmp_path / "gpt_rc.onnx", tmp_path / "t.json"
+    assert run_cli("export", "--model", "gpt", "-o", source) == 0
+    assert run_cli("transform", source, "-o", out, "--budget", "0.75x", "--passes", "recompute",
+                   "--input", "ids=8x16", "--input", "targets=8x16", "--report", report_path) == 0
+    report = json.loads(report_path.read_text())
+    assert report["passes"] == ["recompute"] and report["recomputed_nodes"] > 0 and not report["swaps"]
+    assert report["nodes_after"] == report["nodes_before"] + report["recomputed_nodes"]
+    model = onnx.load(out)
+    onnx.checker.check_model(model)
+    graph = TrainingGraph.from_model(onnx.load(source))
+    feeds = {**random_state(graph), **random_batch(graph, {"ids": (8, 16), "targets": (8, 16)})}
+
+    def outputs(m):
+        return ort.InferenceSession(m.SerializeToString()).run(None, feeds)
+
+    for before, after in zip(outputs(graph.model), outputs(model)):
+        np.testing.assert_array_equal(before, after)
