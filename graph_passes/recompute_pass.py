@@ -100,6 +100,10 @@ def write_recompute_plan(model: onnx.ModelProto, plan: RecomputePlan, *, loss_na
     return result, clones
 
 
+def _is_clone(node: onnx.NodeProto) -> bool:
+    return any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props)
+
+
 def _with_inputs(node: onnx.NodeProto, renamed: Mapping[str, str]) -> onnx.NodeProto:
     if not any(name in renamed for name in node.input):
         return node
@@ -114,7 +118,7 @@ def recomputed_infos(infos: Mapping[str, TensorInfo], model: onnx.ModelProto) ->
     """``infos`` plus the clones' values (a clone has its original's type and shape)."""
     out = dict(infos)
     for node in model.graph.node:
-        if any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props):
+        if _is_clone(node):
             for name in node.output:
                 if name and name not in out:
                     original = name.rsplit("__rc", 1)[0]
@@ -147,7 +151,7 @@ class RecomputePass(onnx_ir.passes.FunctionalPass):
         forward = forward_nodes(proto, self.loss_name)
         originals = set(self.plan.recomputed)
         for index, node in enumerate(proto.graph.node):
-            if index not in forward and not any(p.key == PASS_KEY for p in node.metadata_props):
+            if index not in forward and not _is_clone(node):
                 bad = [n for n in node.input if n in originals]
                 if bad:
                     raise onnx_ir.passes.PostconditionError(f"backward node {node.name!r} still reads {bad[0]!r}")

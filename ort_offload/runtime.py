@@ -224,7 +224,7 @@ class GraphRunner:
             if chosen is not None and recomputed:
                 chosen = (*chosen[:2], ("recompute", "swap"), *chosen[3:])
         if chosen is None:
-            offered = [p for p in ("recompute", "swap") if p in self.passes]
+            offered = [{"recompute": "recompute", "swap": "swapping"}[p] for p in ("recompute", "swap") if p in self.passes]
             how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "

@@ -15,7 +15,8 @@ import onnx_ir as ir
 
 from custom_ops.registry import DOMAIN
 from graph_passes.shapes import check_inputs
-from graph_passes.recompute_pass import PASS_KEY as RECOMPUTE_KEY
+from graph_passes.recompute_pass import PASS_KEY as PROVENANCE_KEY
+from graph_passes.recompute_pass import PASS_NAME as RECOMPUTE_PASS
 from graph_passes.swap_pass import SwapPass
 from graph_passes.swap_planner import placed_plan
 from graph_passes.program import SwapOut
@@ -66,7 +67,7 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
                 })
     roles = dict(graph.roles)
     for node in model.graph.node:
-        if any(p.key == RECOMPUTE_KEY for p in node.metadata_props):
+        if any(p.key == PROVENANCE_KEY and p.value == RECOMPUTE_PASS for p in node.metadata_props):
             roles.update({o: Role.ACTIVATION for o in node.output if o})
     for node in model.graph.node:  # host and device copies take the role of what they copy
         if node.domain == DOMAIN:
