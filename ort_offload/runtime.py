@@ -286,17 +286,29 @@ class GraphRunner:
             if "swap" not in self.passes:
                 return self.model, infos, programs, None, 0, min(needed, result.needed_bytes)
             result = RecomputePlan(tuple(segments))  # as far as recompute goes; swap does the rest
-        model, model_infos, schedule, clones, least = rewrite(result)
-        lowered = []
-        for program in self._lowerings(model, model_infos, schedule):
-            lowered.append(program)
-            trace = simulate_program(program, model_infos, alignment=alignment)
-            if trace.min_budget_bytes <= budget:
-                logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved",
-                            self.graph.name, len(result.segments), len(segments), clones,
-                            format_bytes(result.saved_bytes))
-                return model, model_infos, lowered, (program, trace, ("recompute",), program, None), clones, least
-        return model, model_infos, lowered, None, clones, min(needed, least)
+        # The greedy plan fits with single-node blocks; recomputing every segment may let larger
+        # (faster) blocks fit: take whichever fits with fewer blocks.
+        best = None
+        for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
+            model, model_infos, schedule, clones, least = rewrite(plan)
+            lowered = []
+            for program in self._lowerings(model, model_infos, schedule):
+                lowered.append(program)
+                trace = simulate_program(program, model_infos, alignment=alignment)
+                if trace.min_budget_bytes <= budget:
+                    if best is None or len(program.blocks) < len(best[3].blocks):
+                        best = (plan, model, model_infos, program, trace, clones, least, lowered)
+                    break
+            if best is None and plan is result:
+                fallback = (model, model_infos, lowered, clones, least)
+        if best is None:
+            model, model_infos, lowered, clones, least = fallback
+            return model, model_infos, lowered, None, clones, min(needed, least)
+        plan, model, model_infos, program, trace, clones, least, lowered = best
+        logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved, %d blocks",
+                    self.graph.name, len(plan.segments), len(segments), clones, format_bytes(plan.saved_bytes),
+                    len(program.blocks))
+        return model, model_infos, lowered, (program, trace, ("recompute",), program, None), clones, least
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
