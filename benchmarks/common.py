@@ -38,6 +38,18 @@ def step_counts(args, changes: dict) -> None:
         changes["warmup_steps"] = args.warmup
 
 
+def bitwise_equal(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two loss sequences are the same floats, bit for bit."""
+    return len(a) == len(b) and np.asarray(a, dtype=np.float64).tobytes() == np.asarray(b, dtype=np.float64).tobytes()
+
+
+def state_mismatches(state: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> list[str]:
+    """Names of state tensors that differ in any bit (or are missing) from the reference."""
+    bad = [n for n in reference if n not in state or state[n].dtype != reference[n].dtype
+           or state[n].shape != reference[n].shape or state[n].tobytes() != reference[n].tobytes()]
+    return sorted(bad + [n for n in state if n not in reference])
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     value = fn()

@@ -87,6 +87,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from benchmarks import common as bench
+from ort_offload.report import save_figure
 
 RESULT_FILE = "peers.json"
 MD_FILE = "peers.md"
@@ -184,15 +185,18 @@ def _rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return float(max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)))
 
 
-def _bitwise_equal(a: Sequence[float], b: Sequence[float]) -> bool:
-    return len(a) == len(b) and np.asarray(a, dtype=np.float64).tobytes() == np.asarray(b, dtype=np.float64).tobytes()
-
-
-def _state_mismatches(state: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> list[str]:
-    """Names of state tensors that differ in any bit (or are missing) from the reference."""
-    bad = [n for n in reference if n not in state or state[n].dtype != reference[n].dtype
-           or state[n].shape != reference[n].shape or state[n].tobytes() != reference[n].tobytes()]
-    return sorted(bad + [n for n in state if n not in reference])
+def _search_and_timing_fields(search: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
+    """The row fields every measured method shares: the batch search and the interleaved timing."""
+    return {
+        "largest_batch_capped": search["largest_batch_capped"],
+        "largest_batch_tried": search["tried"],
+        "first_step_s": timing["first_step_s"],
+        "step_times_s": timing["step_times_s"],
+        "ref_step_times_s": timing["ref_step_times_s"],
+        "ref_median_step_s": timing["ref_median"],
+        "other_cpu_share": timing["other_cpu_share"],
+        "losses": timing["losses"],
+    }
 
 
 def _timed(fn: Callable[..., Any], *args) -> tuple[float, Any]:
@@ -723,16 +727,9 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             recomputed_unit="aten ops dispatched in backward beyond torch eager's count",
             backward_ops=backward_ops,
             batch_search_budget_bytes=ref_peak,
-            largest_batch_capped=search["largest_batch_capped"],
-            largest_batch_tried=search["tried"],
-            first_step_s=timing["first_step_s"],
-            step_times_s=timing["step_times_s"],
-            ref_step_times_s=timing["ref_step_times_s"],
-            ref_median_step_s=timing["ref_median"],
-            other_cpu_share=timing["other_cpu_share"],
-            losses=timing["losses"],
+            **_search_and_timing_fields(search, timing),
             losses_within_tolerance=loss_diff <= settings.torch_loss_rtol,
-            losses_bitwise_equal_torch_eager=_bitwise_equal(timing["losses"], eager_losses),
+            losses_bitwise_equal_torch_eager=bench.bitwise_equal(timing["losses"], eager_losses),
         )
         rows.append(row)
         del peer
@@ -787,7 +784,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         before = stats_at["before"]
         after = trainer.runtime.stats
         report = trainer.report()
-        state_bad = _state_mismatches(trainer.state_dict(), ref_state)
+        state_bad = bench.state_mismatches(trainer.state_dict(), ref_state)
         prepared = trainer.runner.last_prepared
         if passes == "swap" and budget_label == TIMELINE_BUDGET:
             artifacts["timeline"] = {"baseline": trainer.runner.baseline_trace, "planned": trainer.runner.last_trace,
@@ -830,15 +827,8 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             split_nodes=report["split_nodes"],
             faults_measured=after.faults - before.faults,
             batch_search_budget_bytes=budget_bytes,
-            largest_batch_capped=search["largest_batch_capped"],
-            largest_batch_tried=search["tried"],
-            first_step_s=timing["first_step_s"],
-            step_times_s=timing["step_times_s"],
-            ref_step_times_s=timing["ref_step_times_s"],
-            ref_median_step_s=timing["ref_median"],
-            other_cpu_share=timing["other_cpu_share"],
-            losses=timing["losses"],
-            losses_bitwise_equal=_bitwise_equal(timing["losses"], ref_losses),
+            **_search_and_timing_fields(search, timing),
+            losses_bitwise_equal=bench.bitwise_equal(timing["losses"], ref_losses),
             loss_max_rel_diff_vs_torch_eager=_rel_diff(timing["losses"], eager_losses),
             state_bitwise_equal=not state_bad,
             state_mismatches=state_bad[:10],
@@ -1046,20 +1036,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _save_figure(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    try:
-        fig.tight_layout()
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def plot_step_time(result: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -1094,7 +1070,7 @@ def plot_step_time(result: dict[str, Any], path: Path) -> Path:
     ax.set_title(f"{result['model']['name']} {result['model']['config']} batch {result['model']['batch']}: "
                  "step time vs device budget (CPU)")
     ax.legend(loc="best", fontsize=7)
-    return _save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_largest_batch(result: dict[str, Any], path: Path) -> Path:
@@ -1120,7 +1096,7 @@ def plot_largest_batch(result: dict[str, Any], path: Path) -> Path:
         ax.set_ylim(min(values) / 1.5, max(values) * 2.5)  # room for the labels
     ax.set_ylabel("largest batch that fits (log2)")
     ax.set_title("largest batch within the budget (torch rows: the unplanned ORT peak at the base batch)")
-    return _save_figure(fig, path)
+    return save_figure(fig, path)
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, *, artifacts: dict[str, Any]) -> list[Path]:

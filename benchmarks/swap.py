@@ -92,17 +92,6 @@ def _timed_step(trainer, batch: tuple) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def _bitwise_equal_losses(a: Sequence[float], b: Sequence[float]) -> bool:
-    return len(a) == len(b) and np.asarray(a, dtype=np.float64).tobytes() == np.asarray(b, dtype=np.float64).tobytes()
-
-
-def _state_mismatches(state: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> list[str]:
-    """Names of state tensors that differ in any bit (or are missing) from the reference."""
-    bad = [n for n in reference if n not in state or state[n].dtype != reference[n].dtype
-           or state[n].shape != reference[n].shape or state[n].tobytes() != reference[n].tobytes()]
-    return sorted(bad + [n for n in state if n not in reference])
-
-
 def _stats_snapshot(trainer) -> dict[str, float]:
     s = trainer.runtime.stats
     return {"swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes, "stall_s": s.swap_time_s,
@@ -254,7 +243,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
                     time.sleep(settings.settle_s)
             after = _stats_snapshot(trainer)
             report = trainer.report()
-            state_bad = _state_mismatches(trainer.state_dict(), ref_state)
+            state_bad = bench.state_mismatches(trainer.state_dict(), ref_state)
             measured = times[settings.warmup_steps:]
             n = settings.measured_steps
             median, ref_median = bench.median(measured), bench.median(ref_turn_times)
@@ -289,7 +278,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
                 prefetch_hits_per_step=(after["prefetch_hits"] - before["prefetch_hits"]) / n,
                 swap_ins_per_step=(after["swap_ins"] - before["swap_ins"]) / n,
                 losses=losses,
-                losses_bitwise_equal=_bitwise_equal_losses(losses, ref_losses),
+                losses_bitwise_equal=bench.bitwise_equal(losses, ref_losses),
                 max_loss_abs_diff=float(np.max(np.abs(np.subtract(losses, ref_losses)))),
                 state_bitwise_equal=not state_bad,
                 state_mismatches=state_bad[:10],

@@ -119,10 +119,17 @@ def plot_timeline(
     ax.set_ylabel("device MiB")
     ax.set_title(title)
     ax.legend(loc="best")
-    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path) -> Path:
+    """Write ``fig`` as a PNG atomically (a temporary file renamed into place) and close it."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     try:
+        fig.tight_layout()
         fig.savefig(tmp, dpi=100)
         os.replace(tmp, path)
     finally:
