@@ -147,11 +147,14 @@ def lower(
     max_block_nodes: int = DEFAULT_BLOCK_NODES,
     schedule: Sequence[int] | None = None,
     swap_points=None,
+    extra_cuts: Sequence[int] = (),
 ) -> Program:
     """Lower ``model`` into blocks and steps for one input signature (``infos``).
 
     ``swap_points`` (:class:`graph_passes.swap_nodes.SwapPoints`, for a graph whose swap nodes
-    were read back) adds swap steps at fixed node positions; blocks are cut there."""
+    were read back) adds swap steps at fixed node positions; blocks are cut there.
+    ``extra_cuts`` are more block boundaries (positions in the schedule), e.g. from
+    :func:`graph_passes.partition.fit_blocks`."""
     graph = model.graph
     nodes = list(graph.node)
     order = list(range(len(nodes))) if schedule is None else list(schedule)
@@ -164,6 +167,7 @@ def lower(
     state_inputs = tuple(n for n in graph_inputs if n not in set(data_inputs))
 
     cuts = {k for k, _ in swap_points.before if 0 < k < len(order)} if swap_points else set()
+    cuts |= set(extra_cuts)  # block boundaries chosen by the caller (schedule positions)
     for position, node_index in enumerate(order):
         if is_order_dependent(nodes[node_index]):  # its own block, run single-threaded
             cuts |= {position, position + 1}

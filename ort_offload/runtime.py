@@ -22,6 +22,7 @@ from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.partition import fit_blocks
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
@@ -216,6 +217,11 @@ class GraphRunner:
             if budget is None or trace.min_budget_bytes <= budget:
                 chosen = (program, trace, (), program, None)
                 break
+        if chosen is not None and len(chosen[0].blocks) > len(programs[0].blocks):
+            # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
+            # fit with fewer, larger (faster) blocks.
+            program, trace = self._fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
+            chosen = (program, trace, (), program, None)
         model, recomputed = self.model, 0
         if chosen is None and "recompute" in self.passes and self.graph.loss_name:
             model, infos, programs, chosen, recomputed, needed = self._plan_recompute(infos, budget, programs, needed)
@@ -253,6 +259,25 @@ class GraphRunner:
                 model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
                 fetches=self.fetches, max_block_nodes=block_nodes, schedule=schedule, swap_points=self.swap_points,
             )
+
+    def _fewest_blocks(self, model, infos, schedule, budget: int, program: Program, trace: MemoryTrace):
+        """``program`` (a uniform lowering that fits ``budget``), or a memory-aware partition
+        of the same graph (:func:`graph_passes.partition.fit_blocks`) if it fits with fewer
+        blocks."""
+        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
+            return program, trace  # block size fixed by the user, or by the graph's swap nodes
+        order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
+        position_of = {node: position for position, node in enumerate(order)}
+
+        def lower_with_cuts(cuts):
+            return lower(model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
+                         fetches=self.fetches, max_block_nodes=max(len(order), 1), schedule=schedule, extra_cuts=cuts)
+
+        refined = fit_blocks(lower_with_cuts, infos, budget=budget, position_of=position_of,
+                             alignment=self.runtime.device.alignment)
+        if refined is not None and len(refined[0].blocks) < len(program.blocks):
+            return refined
+        return program, trace
 
     def _plan_recompute(self, infos, budget: int, programs, needed: int):
         """Recompute forward segments until the graph fits ``budget`` (or, with swap also
@@ -305,6 +330,7 @@ class GraphRunner:
             model, model_infos, lowered, clones, least = fallback
             return model, model_infos, lowered, None, clones, min(needed, least)
         plan, model, model_infos, program, trace, clones, least, lowered = best
+        program, trace = self._fewest_blocks(model, model_infos, order_dependent_last(model), budget, program, trace)
         logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved, %d blocks",
                     self.graph.name, len(plan.segments), len(segments), clones, format_bytes(plan.saved_bytes),
                     len(program.blocks))

@@ -138,3 +138,33 @@ def test_state_read_only_after_the_peak_is_the_optimizer_tail():
     assert late <= set(program.state_inputs)
     # The weights are read in the forward, before the peak.
     assert "w" not in late and "w2" not in late
+
+
+# ---- memory-aware partition (graph_passes.partition) --------------------------------------------
+
+@pytest.mark.parametrize("where", [0.3, 0.7])
+def test_memory_aware_partition_fits_with_no_more_blocks_than_a_uniform_one(where):
+    from graph_passes.partition import fit_blocks
+
+    graph = chain_graph(OPS * 3, width=64)
+    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, chain_feeds(64)))
+
+    def lowered(**options):
+        return lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=["x"], fetches=["loss"], **options)
+
+    whole = lowered(max_block_nodes=10_000)
+    finest = simulate_program(lowered(max_block_nodes=1), infos).min_budget_bytes
+    top = simulate_program(whole, infos).min_budget_bytes
+    budget = int(finest + where * (top - finest))
+    uniform = next(p for n in (64, 32, 16, 8, 4, 2, 1)
+                   if simulate_program(p := lowered(max_block_nodes=n), infos).min_budget_bytes <= budget)
+    count = len(graph.model.graph.node)
+    found = fit_blocks(lambda cuts: lowered(max_block_nodes=count, extra_cuts=cuts), infos, budget=budget,
+                       position_of={i: i for i in range(count)})
+    assert found is not None
+    program, trace = found
+    assert trace.min_budget_bytes <= budget
+    assert sorted(i for b in program.blocks for i in b.node_indices) == list(range(count))
+    assert len(program.blocks) <= len(uniform.blocks)
+    assert fit_blocks(lambda cuts: lowered(max_block_nodes=count, extra_cuts=cuts), infos, budget=finest - 1,
+                      position_of={i: i for i in range(count)}) is None

@@ -1,0 +1,58 @@
+"""Memory-aware block partition: blocks as large as the budget allows, small only where memory
+is tight.
+
+Cutting a step into execution blocks of N nodes everywhere (``lower(max_block_nodes=N)``) makes
+every block as small as the tightest point of the step needs, and each cut costs time (one more
+ONNX Runtime session call, fusions lost across it). :func:`fit_blocks` starts from one block
+and halves only the blocks at which the memory replay (:func:`graph_passes.memory.simulate_program`)
+exceeds the budget — live arena bytes plus the block's own outputs and workspace — until every
+block fits or the ones that do not are single nodes. Splitting a block lowers its own
+requirement (fewer outputs allocated at its start, a smaller workspace), so each round makes
+progress.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from graph_passes.memory import DEFAULT_ALIGNMENT, MemoryTrace, simulate_program
+from graph_passes.program import Program
+from graph_passes.shapes import TensorInfo
+
+MAX_ROUNDS = 24
+
+
+def fit_blocks(
+    lower_with_cuts: Callable[[tuple[int, ...]], Program],
+    infos: Mapping[str, TensorInfo],
+    *,
+    budget: int,
+    position_of: Mapping[int, int],
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> tuple[Program, MemoryTrace] | None:
+    """The program (and its replay) this refinement finds that fits ``budget``; None if a
+    single node alone does not fit (or the rounds run out).
+
+    ``lower_with_cuts(cuts)`` lowers the graph with block boundaries at those schedule
+    positions (on top of the ones the lowering makes itself); ``position_of`` maps a node index
+    to its schedule position."""
+    cuts: set[int] = set()
+    for _ in range(MAX_ROUNDS):
+        program = lower_with_cuts(tuple(sorted(cuts)))
+        trace = simulate_program(program, infos, alignment=alignment)
+        if trace.min_budget_bytes <= budget:
+            return program, trace
+        over = {p.label for p in trace.timeline if p.label.startswith("block ") and p.in_use + p.workspace > budget}
+        added = False
+        for label in sorted(over):
+            block = program.blocks[int(label.split()[1])]
+            if len(block.node_indices) > 1:
+                positions = sorted(position_of[i] for i in block.node_indices)
+                cuts.add(positions[len(positions) // 2])
+                added = True
+        if not added:
+            return None
+    return None
+
+
+__all__ = ["fit_blocks"]
