@@ -1053,10 +1053,11 @@ def plot_step_time(result: dict[str, Any], path: Path) -> Path:
         ax.plot(xs, ys, "o-", label="ours passes=swap")
         for r, x, y in zip(swap, xs, ys):
             ax.annotate(r["budget"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    auto = rows.get("ours_auto_0.5x")
-    if auto is not None and auto["status"] == "ok":
-        ax.plot([auto["metrics"]["budget_bytes"] / 2**20], [auto["metrics"]["step_time_s_median"] * 1e3], "s",
-                label="ours passes=auto @ 0.5x")
+    for method, marker in (("ours_auto_0.5x", "s"), ("ours_recompute_0.5x", "D"), ("ours_split_0.5x", "v")):
+        row = rows.get(method)
+        if row is not None and row["status"] == "ok":
+            ax.plot([row["metrics"]["budget_bytes"] / 2**20], [row["metrics"]["step_time_s_median"] * 1e3], marker,
+                    label=row["label"])
     styles = iter(["-", "--", "-.", ":"])
     for method in (REFERENCE, *(m for m, _ in TORCH_ROWS)):
         row = rows.get(method)
