@@ -28,7 +28,9 @@ REPORT_KEYS = (
     "step_time_s_median",
     "plan_time_s",
     "passes",
-    "stall_time_s",  # extension: compute time lost waiting for swap copies (all copy time while copies are synchronous)
+    "stall_time_s",  # extension: compute time lost waiting for copies (swap-ins, swap-outs freeing room, faults)
+    "plans_made",  # extension: input signatures planned (a new shape is planned once)
+    "plan_cache_hits",  # extension: steps whose signature had a plan already
 )
 
 

@@ -59,6 +59,8 @@ class RuntimeStats:
     faults: int = 0  # tensors a step needed that were neither resident nor on their way
     fault_log: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (where, tensor)
     swap_time_s: float = 0.0  # compute stalled on copies: waits on swap-ins and on swap-outs to free room, faults
+    plans_made: int = 0  # input signatures planned
+    plan_cache_hits: int = 0  # prepares answered from the plan cache
     region_placements: int = 0  # allocations the arena policy steered (double buffering)
     region_fallbacks: int = 0  # ... of which could not go where it wanted (that half was full)
 
@@ -197,7 +199,9 @@ class GraphRunner:
         signature = tuple(sorted((n, i.dtype.str, i.shape) for n, i in input_infos.items()))
         prepared = self._prepared.get(signature)
         if prepared is not None:
+            self.runtime.stats.plan_cache_hits += 1
             return prepared
+        self.runtime.stats.plans_made += 1
         start = time.perf_counter()
         if callable(probe_feeds):
             probe_feeds = probe_feeds()

@@ -275,6 +275,8 @@ class OrtTrainer:
             "plan_time_s": stats.plan_time_s,
             "passes": sorted({p for prepared in self.runner.prepared_steps() for p in prepared.passes}),
             "stall_time_s": stats.swap_time_s,
+            "plans_made": stats.plans_made,
+            "plan_cache_hits": stats.plan_cache_hits,
         }
         assert tuple(report) == REPORT_KEYS
         return report

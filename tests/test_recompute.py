@@ -150,3 +150,21 @@ def test_greedy_planner_takes_the_smallest_segment_covering_the_excess_else_the_
     assert RecomputePlanner().plan(segments, 100, need).segments == ()
     refused = RecomputePlanner().plan(segments, 10, need)
     assert isinstance(refused, NoRecomputePlan) and refused.needed_bytes == 20
+
+
+def test_variable_lengths_are_planned_once_each_for_their_own_memory():
+    """One export with a dynamic sequence axis serves every length; each new length is planned
+    under the same byte budget (longer ones recompute, shorter ones need not), repeats hit the
+    plan cache, and the numbers stay bitwise those of the unplanned run."""
+    lengths = [4, 8, 16, 12, 8, 16, 4, 12]
+    data = batches("bert", len(lengths), seq_lengths=lengths)
+    reference = train_ort("bert", optimizer="adamw", steps=len(lengths), data=data)
+    run = train_ort("bert", optimizer="adamw", steps=len(lengths), data=data, budget=1_000_000, passes="recompute")
+    report = run.trainer.report()
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert report["plans_made"] == len(set(lengths))
+    assert report["plan_cache_hits"] == len(lengths) + 1 - len(set(lengths))  # + the first plan, made at creation
+    recomputed = [p.recomputed_nodes for p in run.trainer.runner.prepared_steps()]
+    assert max(recomputed) > 0 and min(recomputed) == 0  # input-aware: only long sequences recompute
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
