@@ -8,7 +8,9 @@ and halves only the blocks at which the memory replay (:func:`graph_passes.memor
 exceeds the budget — live arena bytes plus the block's own outputs and workspace — until every
 block fits or the ones that do not are single nodes. Splitting a block lowers its own
 requirement (fewer outputs allocated at its start, a smaller workspace), so each round makes
-progress.
+progress. :func:`refine_blocks` is the same refinement for any notion of "over": the swap
+planner uses it to find the largest blocks each of which alone fits
+(:func:`graph_passes.swap_planner.blocks_over`).
 """
 
 from __future__ import annotations
@@ -36,16 +38,33 @@ def fit_blocks(
     ``lower_with_cuts(cuts)`` lowers the graph with block boundaries at those schedule
     positions (on top of the ones the lowering makes itself); ``position_of`` maps a node index
     to its schedule position."""
+
+    def over_budget(program: Program) -> tuple[set[int], MemoryTrace]:
+        trace = simulate_program(program, infos, alignment=alignment)
+        over = {int(p.label.split()[1]) for p in trace.timeline
+                if p.label.startswith("block ") and p.in_use + p.workspace > budget}
+        return (over if trace.min_budget_bytes > budget else set()), trace
+
+    return refine_blocks(lower_with_cuts, over_budget, position_of=position_of)
+
+
+def refine_blocks(
+    lower_with_cuts: Callable[[tuple[int, ...]], Program],
+    over_budget: Callable[[Program], tuple[set[int], object]],
+    *,
+    position_of: Mapping[int, int],
+):
+    """Halve the blocks ``over_budget`` names until it names none; returns (program, what
+    ``over_budget`` returned with it), or None when only single nodes are over."""
     cuts: set[int] = set()
     for _ in range(MAX_ROUNDS):
         program = lower_with_cuts(tuple(sorted(cuts)))
-        trace = simulate_program(program, infos, alignment=alignment)
-        if trace.min_budget_bytes <= budget:
-            return program, trace
-        over = {p.label for p in trace.timeline if p.label.startswith("block ") and p.in_use + p.workspace > budget}
+        over, detail = over_budget(program)
+        if not over:
+            return program, detail
         added = False
-        for label in sorted(over):
-            block = program.blocks[int(label.split()[1])]
+        for index in sorted(over):
+            block = program.blocks[index]
             if len(block.node_indices) > 1:
                 positions = sorted(position_of[i] for i in block.node_indices)
                 cuts.add(positions[len(positions) // 2])
@@ -55,4 +74,4 @@ def fit_blocks(
     return None
 
 
-__all__ = ["fit_blocks"]
+__all__ = ["fit_blocks", "refine_blocks"]

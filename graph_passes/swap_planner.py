@@ -61,6 +61,16 @@ def required_bytes(program: Program, sizes: Mapping[str, int]) -> int:
     )
 
 
+def blocks_over(program: Program, sizes: Mapping[str, int], budget: int) -> set[int]:
+    """Blocks whose own inputs, outputs and workspace exceed ``budget``: no swap plan can run
+    them (the per-block form of :func:`required_bytes`)."""
+    return {
+        step.block for step in program.steps
+        if isinstance(step, RunBlock)
+        and sum(sizes[n] for n in _needs(program, step) | set(_allocates(step))) + _workspace(program, step) > budget
+    }
+
+
 def _workspace(program: Program, step) -> int:
     return program.blocks[step.block].workspace_bytes if isinstance(step, RunBlock) else 0
 

@@ -22,7 +22,7 @@ from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
-from graph_passes.partition import fit_blocks
+from graph_passes.partition import fit_blocks, refine_blocks
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
@@ -31,7 +31,7 @@ from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlan
 from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
-from graph_passes.swap_planner import SwapPlan, required_bytes
+from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
 from graph_passes.swap_search import STATE_NONE, SwapSearch
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
@@ -346,6 +346,21 @@ class GraphRunner:
         alignment = self.runtime.device.alignment
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
         needed = min(required_bytes(program, sizes) for program in programs)
+        if needed <= budget and self.runtime.device.max_block_nodes is None and self.swap_points is None:
+            # Besides N-node blocks everywhere: blocks cut only where one alone would not fit.
+            schedule = order_dependent_last(model)
+            order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
+
+            def lower_with_cuts(cuts):
+                return lower(model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
+                             fetches=self.fetches, max_block_nodes=max(len(order), 1), schedule=schedule,
+                             extra_cuts=cuts)
+
+            refined = refine_blocks(lower_with_cuts, lambda p: (blocks_over(p, sizes, budget), None),
+                                    position_of={node: k for k, node in enumerate(order)})
+            if refined is not None and all(len(refined[0].blocks) < len(p.blocks) for p in programs
+                                           if required_bytes(p, sizes) <= budget):
+                programs = [refined[0], *programs]
         profile = self.runtime.planning_profile()
         cost_model = AnalyticalCostModel(profile)
 

@@ -11,7 +11,7 @@ import pytest
 from custom_ops.registry import DOMAIN
 from graph_passes import shapes
 from graph_passes.memory import align_up, simulate_program
-from graph_passes.program import lower
+from graph_passes.program import SwapIn, SwapOut, lower
 from graph_passes.swap_pass import SwapPass
 from graph_passes.swap_planner import SwapPlanner, required_bytes
 from helpers import batches, train_ort
@@ -81,7 +81,11 @@ def test_the_runtime_executes_a_rewritten_graph_with_real_swaps():
     assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0 and report["faults"] == 0
     assert report["peak_device_bytes"] <= budget
     # The graph holds the swaps where the runtime placed them: reading it back gives the same
-    # memory profile as the plan that wrote it.
-    assert trainer.runner.last_trace.min_budget_bytes == result.prepared.trace.min_budget_bytes
+    # swaps in the same order (block boundaries are the runtime's choice again).
+    def swaps(program):
+        return [(type(s).__name__, s.name.split("__")[0]) for s in program.steps if isinstance(s, (SwapIn, SwapOut))]
+
+    assert swaps(trainer.runner.last_prepared.program) == swaps(result.prepared.program)
+    assert trainer.runner.last_trace.min_budget_bytes <= budget
     assert losses == expected_losses
     assert all(state_after[k].tobytes() == v.tobytes() for k, v in expected_state.items())
