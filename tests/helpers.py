@@ -86,3 +86,16 @@ def assert_matches_torch(run: Run, torch_losses, torch_state, *, rtol=1e-5):
 
 def to_torch(arrays):
     return tuple(torch.from_numpy(np.asarray(a)) for a in arrays)
+
+
+def step_graph_and_feeds(name: str):
+    """A zoo model's exported step graph, values for all of its inputs (initial state, one
+    batch) and the tensor infos for that signature: for running the graph in stock ORT."""
+    from graph_passes import shapes
+    from ort_offload.export import initial_state
+
+    graph = train_ort(name, optimizer="adamw", steps=1).trainer.graph
+    (inputs, targets), = batches(name, 1)
+    feeds = initial_state(graph, get_model(name).model, lr=1e-3)
+    feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
+    return graph, feeds, shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))

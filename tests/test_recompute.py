@@ -10,16 +10,14 @@ import onnxruntime as ort
 import pytest
 
 import ort_offload
-from graph_passes import shapes
 from graph_passes.liveness import check_topological
 from graph_passes.recompute import (
     RANDOM_OPS, NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_nodes, forward_segments,
 )
 from graph_passes.recompute_pass import PASS_KEY, SOURCE_KEY, recomputed_infos, write_recompute_plan
-from helpers import batches, train_ort
+from helpers import batches, step_graph_and_feeds, train_ort
 from models import get_model
 from ort_offload.errors import BudgetTooSmallError
-from ort_offload.export import initial_state
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +25,9 @@ def unplanned():
     return {name: train_ort(name, optimizer="adamw", steps=5) for name in ("gpt", "bert")}
 
 
-def _graph_and_feeds(name):
-    run = train_ort(name, optimizer="adamw", steps=1)
-    graph = run.trainer.graph
-    (inputs, targets), = batches(name, 1)
-    feeds = initial_state(graph, get_model(name).model, lr=1e-3)
-    feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
-    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
-    return graph, feeds, infos
-
-
 @pytest.mark.parametrize("name", ["gpt", "bert"])
 def test_segments_cover_the_forward_in_order_and_save_only_what_backward_reads(name):
-    graph, _, infos = _graph_and_feeds(name)
+    graph, _, infos = step_graph_and_feeds(name)
     model = graph.model
     forward = forward_nodes(model, graph.loss_name)
     segments = forward_segments(model, infos, loss_name=graph.loss_name)
@@ -57,7 +45,7 @@ def test_segments_cover_the_forward_in_order_and_save_only_what_backward_reads(n
 
 @pytest.mark.parametrize("name", ["gpt", "bert"])
 def test_recomputed_graph_runs_in_stock_onnxruntime_with_the_same_numbers(name):
-    graph, feeds, infos = _graph_and_feeds(name)
+    graph, feeds, infos = step_graph_and_feeds(name)
     segments = forward_segments(graph.model, infos, loss_name=graph.loss_name)
     rewritten, clones = write_recompute_plan(graph.model, RecomputePlan(tuple(segments)), loss_name=graph.loss_name)
     assert clones > 0 and len(rewritten.graph.node) == len(graph.model.graph.node) + clones

@@ -9,24 +9,16 @@ import onnxruntime as ort
 import pytest
 
 from custom_ops.registry import DOMAIN
-from graph_passes import shapes
 from graph_passes.memory import align_up, simulate_program
 from graph_passes.program import SwapIn, SwapOut, lower
 from graph_passes.swap_pass import SwapPass
 from graph_passes.swap_planner import SwapPlanner, required_bytes
-from helpers import batches, train_ort
-from models import get_model
-from ort_offload.export import initial_state
+from helpers import step_graph_and_feeds, train_ort
 
 
 @pytest.mark.parametrize("name, block_nodes", [("mlp", 4), ("gpt", 16)])
 def test_rewritten_step_runs_in_stock_onnxruntime_with_the_same_numbers(name, block_nodes):
-    run = train_ort(name, optimizer="adamw", steps=1)
-    graph = run.trainer.graph
-    (inputs, targets), = batches(name, 1)
-    feeds = initial_state(graph, get_model(name).model, lr=1e-3)
-    feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
-    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+    graph, feeds, infos = step_graph_and_feeds(name)
     program = lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=graph.data_inputs,
                     fetches=["loss"], max_block_nodes=block_nodes)
     sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
