@@ -317,28 +317,28 @@ class GraphRunner:
             result = RecomputePlan(tuple(segments))  # as far as recompute goes; swap does the rest
         # The greedy plan fits with single-node blocks; recomputing every segment may let larger
         # (faster) blocks fit: take whichever fits with fewer blocks.
-        best = None
+        best = None  # (plan, program, trace)
+        lowered_of: dict[RecomputePlan, list[Program]] = {}
         for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
-            model, model_infos, schedule, clones, least = rewrite(plan)
-            lowered = []
+            model, model_infos, schedule, _, _ = rewrite(plan)
+            lowered_of[plan] = lowered = []
             for program in self._lowerings(model, model_infos, schedule):
                 lowered.append(program)
                 trace = simulate_program(program, model_infos, alignment=alignment)
                 if trace.min_budget_bytes <= budget:
-                    if best is None or len(program.blocks) < len(best[3].blocks):
-                        best = (plan, model, model_infos, program, trace, clones, least, lowered)
+                    if best is None or len(program.blocks) < len(best[1].blocks):
+                        best = (plan, program, trace)
                     break
-            if best is None and plan is result:
-                fallback = (model, model_infos, lowered, clones, least)
-        if best is None:
-            model, model_infos, lowered, clones, least = fallback
-            return model, model_infos, lowered, None, clones, min(needed, least)
-        plan, model, model_infos, program, trace, clones, least, lowered = best
-        program, trace = self._fewest_blocks(model, model_infos, order_dependent_last(model), budget, program, trace)
+        if best is None:  # only with swap allowed: recompute as far as it goes, swap does the rest
+            model, model_infos, _, clones, least = rewrite(result)
+            return model, model_infos, lowered_of[result], None, clones, min(needed, least)
+        plan, program, trace = best
+        model, model_infos, schedule, clones, least = rewrite(plan)
+        program, trace = self._fewest_blocks(model, model_infos, schedule, budget, program, trace)
         logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved, %d blocks",
                     self.graph.name, len(plan.segments), len(segments), clones, format_bytes(plan.saved_bytes),
                     len(program.blocks))
-        return model, model_infos, lowered, (program, trace, ("recompute",), program, None), clones, least
+        return model, model_infos, lowered_of[plan], (program, trace, ("recompute",), program, None), clones, least
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on

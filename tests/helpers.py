@@ -99,3 +99,23 @@ def step_graph_and_feeds(name: str):
     feeds = initial_state(graph, get_model(name).model, lr=1e-3)
     feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
     return graph, feeds, shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+
+
+def chain_body(ops) -> tuple[list[str], str]:
+    """ONNX text lines for a chain of ``ops`` from ``x`` (MatMul reads ``w``; Add/Mul and
+    Concat+MatMul(``w2``) also read the value before the last, making branches); returns the
+    lines and the last value's name."""
+    lines, last, prev = [], "x", "x"
+    for i, op in enumerate(ops):
+        out = f"v{i}"
+        if op == "MatMul":
+            lines.append(f"{out} = MatMul({last}, w)")
+        elif op in ("Add", "Mul"):
+            lines.append(f"{out} = {op}({last}, {prev})")
+        elif op == "Concat":
+            lines.append(f"c{i} = Concat<axis = 1>({last}, {prev})")
+            lines.append(f"{out} = MatMul(c{i}, w2)")
+        else:
+            lines.append(f"{out} = {op}({last})")
+        prev, last = last, out
+    return lines, last

@@ -14,6 +14,7 @@ from graph_passes.liveness import lifetimes
 from graph_passes.memory import simulate_program
 from graph_passes.program import Commit, Fetch, Load, RunBlock, lower, partition
 from graph_passes.training_graph import Role, TrainingGraph
+from helpers import chain_body
 from ort_offload.device import set_offload_device
 from ort_offload.runtime import GraphRunner, Runtime
 
@@ -144,19 +145,7 @@ def test_shape_inference_falls_back_to_a_probe_run():
        st.integers(1, 6))
 def test_random_chains_match_one_session(ops, block_nodes):
     """Random chains/branches of standard ops: the block runtime gives the session's bytes."""
-    lines, last, prev = [], "x", "x"
-    for i, op in enumerate(ops):
-        out = f"v{i}"
-        if op == "MatMul":
-            lines.append(f"{out} = MatMul({last}, w)")
-        elif op == "Add":
-            lines.append(f"{out} = Add({last}, {prev})")
-        elif op == "Concat":
-            lines.append(f"c{i} = Concat<axis = 1>({last}, {prev})")
-            lines.append(f"{out} = MatMul(c{i}, w2)")
-        else:
-            lines.append(f"{out} = {op}({last})")
-        prev, last = last, out
+    lines, last = chain_body(ops)
     text = ("<ir_version: 9, opset_import: [\"\" : 20]>\n"
             "g (float[3, 4] x, float[4, 4] w, float[8, 4] w2) => (float[3, 4] y) {\n"
             + "\n".join(lines) + f"\n y = Identity({last})\n}}")

@@ -16,7 +16,7 @@ from graph_passes.memory import align_up, simulate_program
 from graph_passes.program import Commit, Fetch, Load, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.swap_planner import Infeasible, SwapPlanner, apply_swap_plan, required_bytes
 from graph_passes.training_graph import Role, TrainingGraph
-from helpers import train_ort
+from helpers import chain_body, train_ort
 from ort_offload.device import set_offload_device
 from ort_offload.errors import BudgetTooSmallError
 from ort_offload.runtime import GraphRunner, Runtime
@@ -106,19 +106,7 @@ def test_checkpoints_hold_state_that_lives_on_the_host(tmp_path, unplanned):
 
 def chain_graph(ops, width=16):
     """A training-step-like chain: x through ops with a parameter w, w updated at the end."""
-    lines, last, prev = [], "x", "x"
-    for i, op in enumerate(ops):
-        out = f"v{i}"
-        if op == "MatMul":
-            lines.append(f"{out} = MatMul({last}, w)")
-        elif op in ("Add", "Mul"):
-            lines.append(f"{out} = {op}({last}, {prev})")
-        elif op == "Concat":
-            lines.append(f"c{i} = Concat<axis = 1>({last}, {prev})")
-            lines.append(f"{out} = MatMul(c{i}, w2)")
-        else:
-            lines.append(f"{out} = {op}({last})")
-        prev, last = last, out
+    lines, last = chain_body(ops)
     text = (
         "<ir_version: 9, opset_import: [\"\" : 20]>\n"
         f"g (float[8, {width}] x, float[{width}, {width}] w, float[{2 * width}, {width}] w2)"
