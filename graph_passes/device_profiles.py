@@ -8,7 +8,8 @@ Shipped profiles are **nominal**: vendor datasheet peaks (dense fp32 without ten
 for the host link, the practical PCIe rate rather than the raw signalling rate. Only the V100
 link numbers are measured (SwapAdvisor §6.1 on an EC2 p3.2xlarge: "12GB/s unidirectional and
 20GB/s bidirectional"). Peaks are what a roofline needs to rank plans; absolute step times on
-those profiles are estimates. The ``cpu`` profile is measured on this machine by
+those profiles are estimates. The ``H200`` profile is measured on a lent machine
+(``benchmarks/gpu_check.py``). The ``cpu`` profile is measured on this machine by
 :func:`measure_cpu_profile` (on the CPU device a swap is a memcpy between the arena and the host
 store, so the "link" is memcpy bandwidth) and cached as JSON, keyed by the CPU model name.
 """
@@ -131,7 +132,26 @@ H100 = DeviceProfile(
     block_overhead_s=_GPU_BLOCK_OVERHEAD_S,
 )
 
-SHIPPED_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (V100_16GB_PCIE3, A100_80GB, H100)}
+# NVIDIA H200 (141 GB), *measured* on a lent machine on 2026-11-26 by
+# `python3 benchmarks/gpu_check.py device` (torch 2.11+cu130; results in
+# benchmarks/results/2026-11-26/gpu_check_run1.json): fp32 matmul 8192³ with TF32 off 50.9 TFLOP/s,
+# device-to-device copy 4,164 GB/s (read + write), pinned 1 GiB copies 54.5 GB/s host→device,
+# 55.3 GB/s device→host, 99.1 GB/s total with both directions at once; matmuls with copies
+# running both ways took 1.003× their time alone. The launch cost stays nominal: the 10 µs
+# measured per tiny op is torch's host-side dispatch, not the gap between kernels on the device.
+H200 = DeviceProfile(
+    name="H200",
+    peak_flops=50.9e12,
+    memory_bandwidth=4164 * GB,
+    h2d_bandwidth=54.5 * GB,
+    d2h_bandwidth=55.3 * GB,
+    duplex_bandwidth=99.1 * GB,
+    device_memory_bytes=143771 * 2**20,
+    kernel_launch_s=_GPU_KERNEL_LAUNCH_S,
+    block_overhead_s=_GPU_BLOCK_OVERHEAD_S,
+)
+
+SHIPPED_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (V100_16GB_PCIE3, A100_80GB, H100, H200)}
 
 CPU_PROFILE_NAME = "cpu"
 
@@ -299,6 +319,6 @@ def get_profile(name: str, **measure_options) -> DeviceProfile:
 
 
 __all__ = [
-    "A100_80GB", "CPU_PROFILE_NAME", "DeviceProfile", "H100", "SHIPPED_PROFILES", "V100_16GB_PCIE3",
+    "A100_80GB", "CPU_PROFILE_NAME", "DeviceProfile", "H100", "H200", "SHIPPED_PROFILES", "V100_16GB_PCIE3",
     "cpu_model_name", "get_profile", "measure_cpu_profile", "profile_cache_dir", "profile_names",
 ]

@@ -206,3 +206,22 @@ def test_copies_that_share_the_compute_cores_add_their_whole_time():
     assert copies > 0
     assert serial.step_time_s == pytest.approx(serial.compute_time_s + copies)
     assert serial.step_time_s >= overlapped.step_time_s
+
+
+def test_gpu_replay_orderings_reproduce_the_simulated_step():
+    """benchmarks/gpu_check.py replays a simulated trace on a GPU from orderings it reads off the
+    trace (an event waits for what ended when it started): with the simulated durations, those
+    orderings must give back the simulated step time exactly, and without copies, no more."""
+    from benchmarks.gpu_check import _dependencies, _issue_order, critical_path_s
+
+    graph, infos, _program, planned, budget = planned_chain(8, 0.3)
+    trace = simulate_time(planned, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=budget)
+    events = [[e.stream, e.label, e.start_s, e.end_s, e.nbytes] for e in trace.events if e.stream != "drop"]
+    assert any(e[0] == H2D for e in events) and any(e[0] == D2H for e in events)
+    deps = _dependencies(events)
+    order = _issue_order(events, deps)
+    assert sorted(order) == list(range(len(events)))
+    assert all(order.index(j) < order.index(i) for i, d in enumerate(deps) for j in d)
+    assert critical_path_s(events, deps, order) == pytest.approx(trace.step_time_s, rel=1e-12)
+    without = critical_path_s(events, deps, order, copies=False)
+    assert without == pytest.approx(trace.compute_time_s, rel=1e-9) and without <= trace.step_time_s
