@@ -20,8 +20,9 @@ of its saved values, computed from what the segment read (its checkpoint: the cu
 parameters, random ops' outputs) right before the first backward node needs them; the originals
 then die at their last forward use. Random ops (Dropout and the random generators) are never
 cloned: their outputs are kept, so a recomputation replays the same mask. The greedy planner
-(Mimose's rule) repeatedly picks the segment whose saving is the smallest one covering the
-remaining excess, else the largest, until the memory replay fits the budget. The plan is a
+(Mimose's bucket rule, :mod:`graph_passes.mimose`) repeatedly picks the segment whose saving is
+nearest above the remaining excess (among segments of similar size, the earliest), else the
+largest, until the memory replay fits the budget. The plan is a
 frozen :class:`RecomputePlan`; :mod:`graph_passes.recompute_pass` applies it.
 """
 
@@ -33,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 import onnx
 
 from graph_passes.liveness import consumed_names
+from graph_passes.mimose import bucket_choice
 from graph_passes.shapes import TensorInfo
 
 TRIVIAL_BYTES = 1024
@@ -152,27 +154,31 @@ def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *,
 
 
 class RecomputePlanner:
-    """Greedy segment choice under a budget (Mimose §4.3's rule), checked by ``needed_bytes``:
-    a function from a plan to the least budget the rewritten graph runs in (the caller lowers
-    the rewritten graph and replays it through the arena)."""
+    """Greedy segment choice under a budget (Mimose's bucket rule,
+    :func:`graph_passes.mimose.bucket_choice`), checked by ``needed_bytes``: a function from a
+    plan to the least budget the rewritten graph runs in (the caller lowers the rewritten graph
+    and replays it through the arena). Each round the excess is measured, not estimated.
+    ``start``: segments already chosen (a plan from estimates that fell short)."""
 
     def plan(
-        self, segments: Sequence[Segment], budget: int, needed_bytes: Callable[[RecomputePlan], int]
+        self, segments: Sequence[Segment], budget: int, needed_bytes: Callable[[RecomputePlan], int],
+        *, start: Sequence[Segment] = (),
     ) -> RecomputePlan | NoRecomputePlan:
-        chosen: list[Segment] = []
-        remaining = [s for s in segments if s.saved_bytes > 0]
-        need = needed_bytes(RecomputePlan(()))
+        chosen = list(start)
+        taken = {s.index for s in chosen}
+        remaining = {s.index: s for s in segments if s.saved_bytes > 0 and s.index not in taken}
+
+        def as_plan() -> RecomputePlan:
+            return RecomputePlan(tuple(sorted(chosen, key=lambda s: s.index)))
+
+        need = needed_bytes(as_plan())
         while need > budget:
             if not remaining:
                 return NoRecomputePlan(need, "recomputing every forward segment still does not fit the budget")
-            excess = need - budget
-            covering = [s for s in remaining if s.saved_bytes >= excess]
-            pick = (min(covering, key=lambda s: (s.saved_bytes, s.index)) if covering
-                    else max(remaining, key=lambda s: (s.saved_bytes, -s.index)))
-            remaining.remove(pick)
-            chosen.append(pick)
-            need = needed_bytes(RecomputePlan(tuple(sorted(chosen, key=lambda s: s.index))))
-        return RecomputePlan(tuple(sorted(chosen, key=lambda s: s.index)))
+            pick = bucket_choice({k: s.saved_bytes for k, s in remaining.items()}, need - budget)
+            chosen.append(remaining.pop(pick))
+            need = needed_bytes(as_plan())
+        return as_plan()
 
 
 __all__ = [

@@ -25,26 +25,38 @@ SIGNAL_FRACTION = 0.5
 
 @dataclass(frozen=True, kw_only=True)
 class BERTConfig:
-    """Shape of a :class:`BERT`. ``seq`` is the default and maximum sequence length."""
+    """Shape of a :class:`BERT`. ``seq`` is the default sequence length; ``max_seq`` (default:
+    ``seq``) the longest one, the size of the positional table."""
 
     layers: int = 2
     d_model: int = 32
     heads: int = 2
     vocab: int = 64
     seq: int = 16
+    max_seq: int | None = None
     mlp_ratio: int = 4
     dropout: float = 0.0
     classes: int = 4
 
     def __post_init__(self) -> None:
         check_transformer_config(self)
+        if self.max_seq is not None and self.max_seq < self.seq:
+            raise ValueError(f"BERTConfig.max_seq ({self.max_seq}) must be >= seq ({self.seq})")
         if not 1 <= self.classes <= self.vocab:
             raise ValueError(f"BERTConfig.classes must be in [1, vocab={self.vocab}], got {self.classes}")
 
+    @property
+    def positions(self) -> int:
+        """The longest sequence the model takes."""
+        return self.max_seq or self.seq
 
+
+# Sequences up to 256 for variable-length training (Mimose's setting); ``tiny12`` has twelve
+# layers, as many as BERT-base, at tiny width: the size planning-time targets are stated for.
 CONFIGS: dict[str, BERTConfig] = {
-    "tiny": BERTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=16, classes=4),
-    "small": BERTConfig(layers=4, d_model=256, heads=4, vocab=512, seq=128, classes=8),
+    "tiny": BERTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=16, max_seq=256, classes=4),
+    "tiny12": BERTConfig(layers=12, d_model=32, heads=2, vocab=64, seq=16, max_seq=256, classes=4),
+    "small": BERTConfig(layers=4, d_model=256, heads=4, vocab=512, seq=128, max_seq=256, classes=8),
 }
 
 
@@ -70,7 +82,7 @@ class BERT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq, config.d_model)
+        self.pos_emb = nn.Embedding(config.positions, config.d_model)
         self.emb_ln = nn.LayerNorm(config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(BERTBlock(config) for _ in range(config.layers))

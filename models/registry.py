@@ -151,7 +151,7 @@ class ModelSpec:
 
         ``batch`` defaults to :attr:`default_batch`, ``seq`` to :attr:`default_seq`. Models
         without a sequence axis reject an explicit ``seq``; GPT and BERT reject ``seq`` above
-        ``config.seq`` (the size of their positional table).
+        the size of their positional table (``config.seq``; BERT's ``config.positions``).
         """
         entry = _entry(self.name)
         batch = self.default_batch if batch is None else batch
@@ -164,10 +164,12 @@ class ModelSpec:
             seq = self.default_seq if seq is None else seq
             if seq < 1:
                 raise ValueError(f"seq must be >= 1, got {seq}")
-            if entry.seq_is_capped and seq > self.config.seq:
+            longest = getattr(self.config, "positions", self.config.seq)
+            if entry.seq_is_capped and seq > longest:
+                field = "max_seq" if hasattr(self.config, "positions") else "seq"
                 raise ValueError(
-                    f"seq={seq} exceeds the maximum sequence length {self.config.seq} of model "
-                    f"{self.name!r}; build it with seq={seq} (get_model(..., seq={seq}))"
+                    f"seq={seq} exceeds the maximum sequence length {longest} of model "
+                    f"{self.name!r}; build it with {field}={seq} (get_model(..., {field}={seq}))"
                 )
         generator = torch.Generator().manual_seed(seed)
         return entry.make_batch(self.config, batch, seq, generator)

@@ -18,6 +18,7 @@ from ort_offload.budget import Budget, parse_budget
 from ort_offload.errors import UnknownDeviceError
 
 SUPPORTED_DEVICES = ("cpu",)
+RECOMPUTE_POLICIES = ("input_aware", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class OffloadDevice:
     # before the program goes on (False). None: asynchronous except on the CPU device, where
     # the copy thread would take the cores the blocks compute on.
     async_swap_outs: bool | None = None
+    # How recompute plans follow the input size (ort_offload.recompute_planning): "input_aware"
+    # (Mimose: a plan per size bucket) or "static" (the first plan serves every size it fits).
+    recompute_policy: str = "input_aware"
 
     @property
     def swap_outs_are_async(self) -> bool:
@@ -68,6 +72,7 @@ def set_offload_device(
     planning_profile: str | None = None,
     arena_policy: str = "best_fit",
     async_swap_outs: bool | None = None,
+    recompute_policy: str = "input_aware",
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
     name = str(kind).strip().lower()
@@ -83,6 +88,8 @@ def set_offload_device(
         raise ValueError("max_block_nodes must be at least 1")
     if arena_policy not in ARENA_POLICIES:
         raise ValueError(f"unknown arena policy {arena_policy!r}: use one of {', '.join(ARENA_POLICIES)}")
+    if recompute_policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {recompute_policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
     if planning_profile is not None and planning_profile not in profile_names():
         raise UnknownDeviceError(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"
@@ -90,5 +97,5 @@ def set_offload_device(
     return OffloadDevice(
         kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
-        async_swap_outs=async_swap_outs,
+        async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
     )

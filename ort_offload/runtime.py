@@ -27,8 +27,6 @@ from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
 from graph_passes.shapes import TensorInfo
-from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, forward_segments
-from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
@@ -41,6 +39,7 @@ from ort_offload.copy_engine import CopyEngine
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.host_store import HostStore
+from ort_offload.recompute_planning import RecomputePlanning
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +178,7 @@ class GraphRunner:
         # keeps everything before them in one block (swap nodes fix positions: keep the order).
         self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
+        self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy)
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
@@ -210,7 +210,7 @@ class GraphRunner:
         needed = None
         chosen = None
         programs = []
-        for program in self._lowerings(self.model, infos, self.schedule):
+        for program in self.lowerings(self.model, infos, self.schedule):
             programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
             if needed is None:  # the largest blocks: the unplanned program
@@ -224,11 +224,11 @@ class GraphRunner:
         if chosen is not None and len(chosen[0].blocks) > len(programs[0].blocks):
             # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
             # fit with fewer, larger (faster) blocks.
-            program, trace = self._fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
+            program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
             chosen = (program, trace, (), program, None)
         model, recomputed = self.model, 0
         if chosen is None and "recompute" in self.passes and self.graph.loss_name:
-            model, infos, programs, chosen, recomputed, needed = self._plan_recompute(infos, budget, programs, needed)
+            model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         if chosen is None and "swap" in self.passes:
             chosen, needed = self._plan_swaps(programs, infos, budget, model)
             if chosen is not None and recomputed:
@@ -256,15 +256,20 @@ class GraphRunner:
         )
         return prepared
 
-    def _lowerings(self, model: onnx.ModelProto, infos, schedule):
+    def lower_program(self, model: onnx.ModelProto, infos, schedule, *, max_block_nodes: int, extra_cuts=()) -> Program:
+        """``model`` (this graph, or a rewrite of it) lowered for these shapes."""
+        return lower(
+            model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
+            fetches=self.fetches, max_block_nodes=max_block_nodes, schedule=schedule, swap_points=self.swap_points,
+            extra_cuts=extra_cuts,
+        )
+
+    def lowerings(self, model: onnx.ModelProto, infos, schedule):
         """``model`` lowered with each candidate block size, largest first (lazily)."""
         for block_nodes in block_size_candidates(len(model.graph.node), self.runtime.device.max_block_nodes):
-            yield lower(
-                model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
-                fetches=self.fetches, max_block_nodes=block_nodes, schedule=schedule, swap_points=self.swap_points,
-            )
+            yield self.lower_program(model, infos, schedule, max_block_nodes=block_nodes)
 
-    def _fewest_blocks(self, model, infos, schedule, budget: int, program: Program, trace: MemoryTrace):
+    def fewest_blocks(self, model, infos, schedule, budget: int, program: Program, trace: MemoryTrace):
         """``program`` (a uniform lowering that fits ``budget``), or a memory-aware partition
         of the same graph (:func:`graph_passes.partition.fit_blocks`) if it fits with fewer
         blocks."""
@@ -282,63 +287,6 @@ class GraphRunner:
         if refined is not None and len(refined[0].blocks) < len(program.blocks):
             return refined
         return program, trace
-
-    def _plan_recompute(self, infos, budget: int, programs, needed: int):
-        """Recompute forward segments until the graph fits ``budget`` (or, with swap also
-        allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
-        None, clone count, least budget).
-
-        The planner's checks lower the rewritten graph into single-node blocks (the least
-        budget any block size gives, one lowering per check); the chosen graph then gets the
-        largest blocks that fit."""
-        alignment = self.runtime.device.alignment
-        loss = self.graph.loss_name
-        segments = forward_segments(self.model, infos, loss_name=loss)
-        rewritten: dict[tuple[int, ...], tuple] = {}
-        finest = self.runtime.device.max_block_nodes or 1
-
-        def rewrite(plan: RecomputePlan):
-            key = tuple(s.index for s in plan.segments)
-            if key not in rewritten:
-                model, clones = write_recompute_plan(self.model, plan, loss_name=loss)
-                model_infos = recomputed_infos(infos, model)
-                schedule = order_dependent_last(model)
-                program = lower(model, model_infos, state_pairs=self.graph.state_pairs,
-                                data_inputs=self.graph.data_inputs, fetches=self.fetches, max_block_nodes=finest,
-                                schedule=schedule, swap_points=self.swap_points)
-                least = simulate_program(program, model_infos, alignment=alignment).min_budget_bytes
-                rewritten[key] = (model, model_infos, schedule, clones, least)
-            return rewritten[key]
-
-        result = RecomputePlanner().plan(segments, budget, lambda plan: rewrite(plan)[4])
-        if isinstance(result, NoRecomputePlan):
-            if "swap" not in self.passes:
-                return self.model, infos, programs, None, 0, min(needed, result.needed_bytes)
-            result = RecomputePlan(tuple(segments))  # as far as recompute goes; swap does the rest
-        # The greedy plan fits with single-node blocks; recomputing every segment may let larger
-        # (faster) blocks fit: take whichever fits with fewer blocks.
-        best = None  # (plan, program, trace)
-        lowered_of: dict[RecomputePlan, list[Program]] = {}
-        for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
-            model, model_infos, schedule, _, _ = rewrite(plan)
-            lowered_of[plan] = lowered = []
-            for program in self._lowerings(model, model_infos, schedule):
-                lowered.append(program)
-                trace = simulate_program(program, model_infos, alignment=alignment)
-                if trace.min_budget_bytes <= budget:
-                    if best is None or len(program.blocks) < len(best[1].blocks):
-                        best = (plan, program, trace)
-                    break
-        if best is None:  # only with swap allowed: recompute as far as it goes, swap does the rest
-            model, model_infos, _, clones, least = rewrite(result)
-            return model, model_infos, lowered_of[result], None, clones, min(needed, least)
-        plan, program, trace = best
-        model, model_infos, schedule, clones, least = rewrite(plan)
-        program, trace = self._fewest_blocks(model, model_infos, schedule, budget, program, trace)
-        logger.info("recompute plan for %s: %d of %d segments, %d nodes cloned, %s saved, %d blocks",
-                    self.graph.name, len(plan.segments), len(segments), clones, format_bytes(plan.saved_bytes),
-                    len(program.blocks))
-        return model, model_infos, lowered_of[plan], (program, trace, ("recompute",), program, None), clones, least
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on

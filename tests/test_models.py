@@ -275,3 +275,14 @@ def test_tiny_loss_module_exports(name, dynamic):
         other = sum(spec.make_batch(3, seq, seed=1), ())
         with sdpa_kernel(SDPBackend.MATH):
             torch.testing.assert_close(program.module()(*other), wrapper(*other))
+
+
+def test_bert_takes_sequences_up_to_max_seq():
+    spec = get_model("bert", "tiny")
+    assert spec.config.positions == 256 and spec.default_seq == 16
+    (ids,), _ = spec.make_batch(2, 256)
+    assert spec.model(ids).shape == (2, spec.config.classes)
+    with pytest.raises(ValueError, match="max_seq=257"):
+        spec.make_batch(2, 257)
+    with pytest.raises(ValueError, match="max_seq"):
+        get_model("bert", "tiny", seq=300)

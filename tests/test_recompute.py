@@ -70,10 +70,11 @@ def test_recomputed_graph_runs_in_stock_onnxruntime_with_the_same_numbers(name):
         np.testing.assert_array_equal(before, after)
 
 
-@pytest.mark.parametrize("name", ["gpt", "bert"])
-def test_training_with_recompute_is_bitwise_unplanned_within_the_budget(unplanned, name):
+@pytest.mark.parametrize("name, budget", [("gpt", "0.75x"), ("bert", "0.7x")])
+def test_training_with_recompute_is_bitwise_unplanned_within_the_budget(unplanned, name, budget):
+    # budgets that smaller blocks alone do not reach (bert's 256-row position table is state)
     reference = unplanned[name]
-    run = train_ort(name, optimizer="adamw", steps=5, budget="0.75x", passes="recompute")
+    run = train_ort(name, optimizer="adamw", steps=5, budget=budget, passes="recompute")
     report = run.trainer.report()
     assert report["passes"] == ["recompute"] and report["recomputed_nodes"] > 0
     assert report["swap_out_bytes"] == 0

@@ -1,0 +1,230 @@
+"""Recompute planning across input signatures: what a :class:`~ort_offload.runtime.GraphRunner`
+does when a new input shape needs recomputation to fit its budget (Mimose, issue 4).
+
+One graph with a dynamic sequence (and batch) axis serves every input size. Per runner this
+module keeps what does not depend on the size (the forward segments, found once; the rewritten
+graph of each segment set, so block sessions are reused across sizes and plans) and what is
+learned across sizes (the per-layer memory estimator, the plan cache). For a new signature:
+
+1. **Plan cache**: a plan made for a similar size (same :class:`~graph_passes.mimose.PlanCache`
+   bucket) is checked for this size: the graph it rewrites, lowered with the same block
+   boundaries, replayed through the arena. If it fits, it is used (a reuse, no planning).
+2. **New plan**: while the estimator is fitting (the first sizes), the bucket rule runs with the
+   excess measured by a memory replay after every choice (exact, seconds). Once fitted, the rule
+   runs on predicted bytes alone (sub-millisecond: the plan time reported), then one replay
+   checks it; if the estimate fell short, the rule continues with measured excess.
+3. The chosen segments get the largest blocks that fit (or every segment, if that fits with
+   fewer blocks); the plan and its block boundaries go into the cache.
+
+``policy="static"`` keeps one cache entry for every size: the first plan (made for the first
+signature, normally the longest) serves all later ones that it fits, the Sublinear-style
+worst-case plan that Mimose compares against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from graph_passes.memory import simulate_program
+from graph_passes.mimose import FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
+from graph_passes.program import Program, order_dependent_last
+from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
+from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
+from ort_offload.budget import format_bytes
+from ort_offload.device import RECOMPUTE_POLICIES
+
+if TYPE_CHECKING:
+    from ort_offload.runtime import GraphRunner
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPlan:
+    """A plan in the cache: the segments recomputed and where the blocks start."""
+
+    segments: tuple[int, ...]
+    cuts: tuple[int, ...]  # schedule positions of block starts (after the first)
+
+
+@dataclasses.dataclass
+class RecomputeStats:
+    plans: int = 0  # new plans made (cache misses)
+    reuses: int = 0  # signatures served by a cached plan of a similar size
+    estimated_plans: int = 0  # ... of the new plans, those made from the estimator's predictions
+    estimate_fell_short: int = 0  # estimated plans the replay found over budget (continued exactly)
+    plan_times_s: list[float] = dataclasses.field(default_factory=list)  # per new plan: the choosing
+
+    def summary(self) -> dict:
+        estimated = self.plan_times_s[-self.estimated_plans:] if self.estimated_plans else []
+        return {
+            "recompute_plans": self.plans,
+            "recompute_plan_reuses": self.reuses,
+            "estimated_plans": self.estimated_plans,
+            "estimate_fell_short": self.estimate_fell_short,
+            "plan_time_s_median": statistics.median(self.plan_times_s) if self.plan_times_s else None,
+            "estimated_plan_time_s_median": statistics.median(estimated) if estimated else None,
+        }
+
+
+class RecomputePlanning:
+    """Recompute plans for one runner's graph, across input signatures."""
+
+    def __init__(self, runner: "GraphRunner", *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES) -> None:
+        if policy not in RECOMPUTE_POLICIES:
+            raise ValueError(f"unknown recompute policy {policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
+        self.runner = runner
+        self.policy = policy
+        self.cache: PlanCache[CachedPlan] = PlanCache(None if policy == "static" else PlanCache().granularity)
+        self.fit_sizes = fit_sizes
+        self.estimator: LayerMemoryEstimator | None = None
+        self.stats = RecomputeStats()
+        self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
+        self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
+
+    # ---- size-independent parts -------------------------------------------------------------
+
+    def segments(self, infos) -> list[Segment]:
+        """The forward segments (found at the first size), with this size's saved bytes."""
+        model, loss = self.runner.model, self.runner.graph.loss_name
+        if self._layout is None:
+            self._layout = [(s.nodes, s.saved) for s in forward_segments(model, infos, loss_name=loss)]
+            self.estimator = LayerMemoryEstimator(len(self._layout), fit_sizes=self.fit_sizes)
+        return [Segment(k, nodes, saved, sum(infos[n].nbytes for n in saved if n in infos))
+                for k, (nodes, saved) in enumerate(self._layout)]
+
+    def rewrite(self, key: tuple[int, ...], segments: list[Segment]):
+        """(model, schedule, clone count) of the graph with these segments recomputed."""
+        if key not in self._rewritten:
+            plan = RecomputePlan(tuple(segments[k] for k in key))
+            model, clones = write_recompute_plan(self.runner.model, plan, loss_name=self.runner.graph.loss_name)
+            self._rewritten[key] = (model, order_dependent_last(model), clones)
+        return self._rewritten[key]
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def plan(self, infos, budget: int, programs: list[Program], needed: int):
+        """Recompute forward segments until the graph fits ``budget`` (or, with swap also
+        allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
+        None, clone count, least budget); ``chosen`` is what ``GraphRunner.prepare`` takes."""
+        runner = self.runner
+        alignment = runner.runtime.device.alignment
+        segments = self.segments(infos)
+        size = input_size(infos, runner.graph.data_inputs)
+        layer_bytes = [s.saved_bytes for s in segments]
+        finest = runner.runtime.device.max_block_nodes or 1
+        model_infos_of: dict[tuple[int, ...], dict] = {}
+        least_of: dict[tuple[int, ...], int] = {}
+
+        def model_infos(key):
+            if key not in model_infos_of:
+                model_infos_of[key] = recomputed_infos(infos, self.rewrite(key, segments)[0])
+            return model_infos_of[key]
+
+        def least(plan: RecomputePlan) -> int:
+            """The least budget with these segments recomputed (single-node blocks)."""
+            key = tuple(s.index for s in plan.segments)
+            if key not in least_of:
+                model, schedule, _ = self.rewrite(key, segments)
+                program = runner.lower_program(model, model_infos(key), schedule, max_block_nodes=finest)
+                least_of[key] = simulate_program(program, model_infos(key), alignment=alignment).min_budget_bytes
+            return least_of[key]
+
+        cached = self.cache.get(size)
+        if cached is not None:
+            reused = self._check_cached(cached, segments, model_infos(cached.segments), budget)
+            if reused is not None:
+                self.stats.reuses += 1
+                if self.estimator.ready:
+                    self.estimator.observe(size, layer_bytes)
+                program, trace = reused
+                model, _, clones = self.rewrite(cached.segments, segments)
+                chosen = (program, trace, ("recompute",), program, None)
+                return model, model_infos(cached.segments), [program], chosen, clones, trace.min_budget_bytes
+
+        self.stats.plans += 1
+        start_time = time.perf_counter()
+        first: tuple[int, ...] = ()
+        if self.estimator.ready:
+            excess = self.estimator.predict_need(size) - budget
+            first = plan_from_estimates(self.estimator.predict_layers(size), excess)
+            self.stats.plan_times_s.append(time.perf_counter() - start_time)
+            self.stats.estimated_plans += 1
+        result = RecomputePlanner().plan(segments, budget, least, start=[segments[k] for k in first])
+        if self.estimator.ready:
+            if not isinstance(result, NoRecomputePlan) and len(result.segments) > len(first):
+                self.stats.estimate_fell_short += 1
+            self.estimator.observe(size, layer_bytes)
+        else:
+            self.stats.plan_times_s.append(time.perf_counter() - start_time)
+            if () in least_of:
+                self.estimator.observe(size, layer_bytes, least_of[()])
+
+        if isinstance(result, NoRecomputePlan):
+            all_segments = RecomputePlan(tuple(segments))
+            if "swap" not in runner.passes:
+                return runner.model, infos, programs, None, 0, min(needed, least(all_segments))
+            result = all_segments  # as far as recompute goes; swap does the rest
+        # The plan fits with single-node blocks; recomputing every segment may let larger
+        # (faster) blocks fit: take whichever fits with fewer blocks.
+        best = None  # (key, program, trace)
+        lowered_of: dict[tuple[int, ...], list[Program]] = {}
+        for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
+            key = tuple(s.index for s in plan.segments)
+            model, schedule, _ = self.rewrite(key, segments)
+            lowered_of[key] = lowered = []
+            for program in runner.lowerings(model, model_infos(key), schedule):
+                lowered.append(program)
+                trace = simulate_program(program, model_infos(key), alignment=alignment)
+                if trace.min_budget_bytes <= budget:
+                    if best is None or len(program.blocks) < len(best[1].blocks):
+                        best = (key, program, trace)
+                    break
+        if best is None:  # only with swap allowed: recompute as far as it goes, swap does the rest
+            key = tuple(s.index for s in result.segments)
+            model, _, clones = self.rewrite(key, segments)
+            return model, model_infos(key), lowered_of[key], None, clones, min(needed, least(result))
+        key, program, trace = best
+        model, schedule, clones = self.rewrite(key, segments)
+        program, trace = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
+        self.cache.put(size, CachedPlan(key, _block_starts(program, schedule, len(model.graph.node))))
+        logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
+                    runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))
+        return model, model_infos(key), lowered_of[key], (program, trace, ("recompute",), program, None), clones, \
+            least(RecomputePlan(tuple(segments[k] for k in key)))
+
+    def _check_cached(self, cached: CachedPlan, segments, model_infos, budget: int):
+        """(program, trace) of a cached plan at this size, if it fits ``budget``; else None."""
+        model, schedule, _ = self.rewrite(cached.segments, segments)
+        program = self.runner.lower_program(model, model_infos, schedule, max_block_nodes=len(model.graph.node),
+                                            extra_cuts=cached.cuts)
+        trace = simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
+        if trace.min_budget_bytes > budget:
+            logger.info("cached recompute plan (%d segments) needs %s here, over the budget: planning anew",
+                        len(cached.segments), format_bytes(trace.min_budget_bytes))
+            return None
+        return program, trace
+
+    def summary(self) -> dict:
+        """Plan counts and times, and the estimator's per-layer errors."""
+        out = self.stats.summary()
+        out["policy"] = self.policy
+        out["estimator_fitted"] = bool(self.estimator and self.estimator.ready)
+        out["estimator_error_per_layer"] = self.estimator.error_summary() if self.estimator else []
+        return out
+
+
+def _block_starts(program: Program, schedule, num_nodes: int) -> tuple[int, ...]:
+    """Schedule positions where the program's blocks start (after the first)."""
+    order = list(schedule) if schedule is not None else list(range(num_nodes))
+    position_of = {node: k for k, node in enumerate(order)}
+    return tuple(sorted(min(position_of[i] for i in block.node_indices)
+                        for block in program.blocks[1:] if block.node_indices))
+
+
+__all__ = ["CachedPlan", "RecomputePlanning", "RecomputeStats"]
