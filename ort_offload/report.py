@@ -31,6 +31,9 @@ REPORT_KEYS = (
     "stall_time_s",  # extension: compute time lost waiting for copies (swap-ins, swap-outs freeing room, faults)
     "plans_made",  # extension: input signatures planned (a new shape is planned once)
     "plan_cache_hits",  # extension: steps whose signature had a plan already
+    "recompute_plans",  # extension: recompute plans made (input sizes no cached plan fitted)
+    "recompute_plan_reuses",  # extension: new input sizes served by the plan of a similar size
+    "recompute_plan_time_s_median",  # extension: choosing segments, per plan made (estimator + bucket rule)
 )
 
 

@@ -210,6 +210,7 @@ class GraphRunner:
         needed = None
         chosen = None
         programs = []
+        model, recomputed = self.model, 0
         for program in self.lowerings(self.model, infos, self.schedule):
             programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
@@ -221,12 +222,18 @@ class GraphRunner:
             if budget is None or trace.min_budget_bytes <= budget:
                 chosen = (program, trace, (), program, None)
                 break
-        if chosen is not None and len(chosen[0].blocks) > len(programs[0].blocks):
+            if len(programs) == 1 and "recompute" in self.passes:
+                # A recompute plan made for a similar input size, if it fits this one (Mimose's
+                # plan cache): no block-size search, no planning.
+                reused = self.recompute.reuse(infos, budget)
+                if reused is not None:
+                    model, infos, chosen, recomputed = reused
+                    break
+        if chosen is not None and not recomputed and len(chosen[0].blocks) > len(programs[0].blocks):
             # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
             # fit with fewer, larger (faster) blocks.
             program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
             chosen = (program, trace, (), program, None)
-        model, recomputed = self.model, 0
         if chosen is None and "recompute" in self.passes and self.graph.loss_name:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         if chosen is None and "swap" in self.passes:
@@ -242,6 +249,8 @@ class GraphRunner:
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
+        if "recompute" in self.passes and self.graph.loss_name and budget is not None:
+            self.recompute.observe(infos)
         program, trace, applied, base, plan = chosen
         prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
                                 recomputed_nodes=recomputed)

@@ -256,6 +256,7 @@ class OrtTrainer:
         train_times = self.runner.step_times_s
         budget = self.runtime.budget_bytes
         peak = stats.peak_device_bytes if train_times else None
+        recompute = self.runner.recompute.summary()
         report = {
             "model": self.name,
             "device": self.device.kind,
@@ -277,6 +278,9 @@ class OrtTrainer:
             "stall_time_s": stats.swap_time_s,
             "plans_made": stats.plans_made,
             "plan_cache_hits": stats.plan_cache_hits,
+            "recompute_plans": recompute["recompute_plans"],
+            "recompute_plan_reuses": recompute["recompute_plan_reuses"],
+            "recompute_plan_time_s_median": recompute["plan_time_s_median"],
         }
         assert tuple(report) == REPORT_KEYS
         return report
