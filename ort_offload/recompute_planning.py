@@ -90,7 +90,6 @@ class RecomputePlanning:
         self.stats = RecomputeStats()
         self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
-        self._measured_need: dict[int, int] = {}  # input size -> least budget without recompute
 
     # ---- size-independent parts -------------------------------------------------------------
 
@@ -113,10 +112,11 @@ class RecomputePlanning:
 
     # ---- planning ---------------------------------------------------------------------------
 
-    def reuse(self, infos, budget: int):
+    def reuse(self, infos, budget: int, *, unplanned_fits: bool):
         """A cached plan of a similar size, checked at this size: (model, infos, chosen, clone
-        count) if it fits ``budget``, else None."""
-        if self._layout is None:
+        count) if it fits ``budget``, else None. Input-aware, only where the unplanned graph
+        does not fit (``unplanned_fits``); static, always (the fixed plan is the program)."""
+        if self._layout is None or (unplanned_fits and self.policy != "static"):
             return None
         size = input_size(infos, self.runner.graph.data_inputs)
         cached = self.cache.get(size)
@@ -135,53 +135,51 @@ class RecomputePlanning:
         self.stats.reuses += 1
         return model, model_infos, (program, trace, ("recompute",), program, None), clones
 
-    def observe(self, infos) -> None:
+    def observe(self, infos, unplanned_need: int) -> None:
         """Feed a new input size to the estimator (the runner calls this once per signature):
-        the layers' saved bytes, exact from shapes, and while fitting the least budget without
-        recompute (measured by the planner if it planned this size, else by one replay), as
+        the layers' saved bytes, exact from shapes, and the least budget of the unplanned
+        graph in its largest blocks (``unplanned_need``, from the runner's first replay), as
         Mimose's collector does for the first sizes. Once fitted, the estimator only records
         its error here."""
         segments = self.segments(infos)
         size = input_size(infos, self.runner.graph.data_inputs)
-        layer_bytes = [s.saved_bytes for s in segments]
-        if self.estimator.ready:
-            self.estimator.observe(size, layer_bytes)
-            return
-        if size in self.estimator.samples:
-            return
-        need = self._measured_need.pop(size, None)
-        if need is None:
-            runner = self.runner
-            unplanned = runner.lower_program(runner.model, infos, runner.schedule,
-                                             max_block_nodes=runner.runtime.device.max_block_nodes or 1)
-            need = simulate_program(unplanned, infos, alignment=runner.runtime.device.alignment).min_budget_bytes
-        self.estimator.observe(size, layer_bytes, need)
+        self.estimator.observe(size, [s.saved_bytes for s in segments], None if self.estimator.ready else unplanned_need)
 
     def plan(self, infos, budget: int, programs: list[Program], needed: int):
         """Recompute forward segments until the graph fits ``budget`` (or, with swap also
         allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
-        None, clone count, least budget); ``chosen`` is what ``GraphRunner.prepare`` takes."""
+        None, clone count, least budget); ``chosen`` is what ``GraphRunner.prepare`` takes.
+
+        First in the largest blocks (what runs fastest here: every cut costs more than the
+        recomputation it saves, see the README): the bucket rule picks segments until the
+        rewritten graph fits in them, measured by replay, starting from the estimator's plan
+        once it is fitted. Only if recomputing everything does not fit there: the same rule
+        with single-node blocks, then the largest blocks that fit."""
         runner = self.runner
         alignment = runner.runtime.device.alignment
         segments = self.segments(infos)
         size = input_size(infos, runner.graph.data_inputs)
-        finest = runner.runtime.device.max_block_nodes or 1
         model_infos_of: dict[tuple[int, ...], dict] = {}
-        least_of: dict[tuple[int, ...], int] = {}
+        traced: dict[tuple[tuple[int, ...], bool], tuple[Program, object]] = {}
 
         def model_infos(key):
             if key not in model_infos_of:
                 model_infos_of[key] = recomputed_infos(infos, self.rewrite(key, segments)[0])
             return model_infos_of[key]
 
-        def least(plan: RecomputePlan) -> int:
-            """The least budget with these segments recomputed (single-node blocks)."""
-            key = tuple(s.index for s in plan.segments)
-            if key not in least_of:
+        def lowered(key, finest: bool):
+            """(program, memory trace) of these segments recomputed, in the largest blocks or
+            in single-node blocks (the least budget any block size gives)."""
+            if (key, finest) not in traced:
                 model, schedule, _ = self.rewrite(key, segments)
-                program = runner.lower_program(model, model_infos(key), schedule, max_block_nodes=finest)
-                least_of[key] = simulate_program(program, model_infos(key), alignment=alignment).min_budget_bytes
-            return least_of[key]
+                blocks = (runner.runtime.device.max_block_nodes or 1) if finest else None
+                program = (runner.lower_program(model, model_infos(key), schedule, max_block_nodes=blocks) if finest
+                           else next(iter(runner.lowerings(model, model_infos(key), schedule))))
+                traced[(key, finest)] = (program, simulate_program(program, model_infos(key), alignment=alignment))
+            return traced[(key, finest)]
+
+        def need(finest: bool):
+            return lambda plan: lowered(tuple(s.index for s in plan.segments), finest)[1].min_budget_bytes
 
         self.stats.plans += 1
         start_time = time.perf_counter()
@@ -191,51 +189,42 @@ class RecomputePlanning:
             first = plan_from_estimates(self.estimator.predict_layers(size), excess)
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plans += 1
-        result = RecomputePlanner().plan(segments, budget, least, start=[segments[k] for k in first])
+        result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
         if self.estimator.ready:
             if not isinstance(result, NoRecomputePlan) and len(result.segments) > len(first):
                 self.stats.estimate_fell_short += 1
         else:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
-            if () in least_of:
-                self._measured_need[size] = least_of[()]
 
-        if isinstance(result, NoRecomputePlan):
-            all_segments = RecomputePlan(tuple(segments))
-            if "swap" not in runner.passes:
-                return runner.model, infos, programs, None, 0, min(needed, least(all_segments))
-            result = all_segments  # as far as recompute goes; swap does the rest
-        # The plan fits with single-node blocks; recomputing every segment may let larger
-        # blocks fit. Each gets its largest fitting blocks; the one with fewer blocks wins
-        # (ties: the plan recomputing less). Fewer blocks, not the simulated time: on this CPU,
-        # ranking by the roofline's time chose plans with more blocks that ran slower (a
-        # 30-step bert small run at sequence lengths 16..256: median step 0.81 s vs 0.55 s).
-        best = None  # (blocks, key, program, trace)
-        lowered_of: dict[tuple[int, ...], list[Program]] = {}
-        for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
-            key = tuple(s.index for s in plan.segments)
-            model, schedule, _ = self.rewrite(key, segments)
-            lowered_of[key] = lowered = []
+        if not isinstance(result, NoRecomputePlan):
+            key = tuple(s.index for s in result.segments)
+            program, trace = lowered(key, False)
+        else:  # not in the largest blocks: the least recompute that fits in single-node blocks
+            result = RecomputePlanner().plan(segments, budget, need(True))
+            if isinstance(result, NoRecomputePlan):
+                all_segments = RecomputePlan(tuple(segments))
+                if "swap" not in runner.passes:
+                    return runner.model, infos, programs, None, 0, min(needed, result.needed_bytes)
+                result = all_segments  # as far as recompute goes; swap does the rest
+            key = tuple(s.index for s in result.segments)
+            model, schedule, clones = self.rewrite(key, segments)
+            fitting = None
+            candidates = []
             for program in runner.lowerings(model, model_infos(key), schedule):
-                lowered.append(program)
+                candidates.append(program)
                 trace = simulate_program(program, model_infos(key), alignment=alignment)
                 if trace.min_budget_bytes <= budget:
-                    program, trace = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
-                    if best is None or len(program.blocks) < best[0]:
-                        best = (len(program.blocks), key, program, trace)
+                    fitting = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
                     break
-        if best is None:  # only with swap allowed: recompute as far as it goes, swap does the rest
-            key = tuple(s.index for s in result.segments)
-            model, _, clones = self.rewrite(key, segments)
-            return model, model_infos(key), lowered_of[key], None, clones, min(needed, least(result))
-        _, key, program, trace = best
+            if fitting is None:  # only with swap allowed: swap does the rest
+                return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
+            program, trace = fitting
         model, schedule, clones = self.rewrite(key, segments)
         self.cache.put(size, CachedPlan(key, _block_starts(program, schedule, len(model.graph.node))))
         logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
                     runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))
-        return model, model_infos(key), lowered_of[key], (program, trace, ("recompute",), program, None), clones, \
-            least(RecomputePlan(tuple(segments[k] for k in key)))
-
+        return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
+            trace.min_budget_bytes
 
     def summary(self) -> dict:
         """Plan counts and times, and the estimator's per-layer errors."""

@@ -211,30 +211,38 @@ class GraphRunner:
         chosen = None
         programs = []
         model, recomputed = self.model, 0
+        recompute_allowed = "recompute" in self.passes and bool(self.graph.loss_name)
         for program in self.lowerings(self.model, infos, self.schedule):
             programs.append(program)
             trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
-            if needed is None:  # the largest blocks: the unplanned program
+            first = needed is None
+            if first:  # the largest blocks: the unplanned program
                 self.baseline_peak_bytes = trace.peak_device_bytes
                 self.baseline_trace = trace
                 budget = self.runtime.resolve_budget(trace.peak_device_bytes)
+                unplanned_need = trace.min_budget_bytes
+                if recompute_allowed and budget is not None:
+                    # A recompute plan made for a similar input size, if this one needs it and it
+                    # fits (Mimose's plan cache): no block-size search, no planning.
+                    reused = self.recompute.reuse(infos, budget, unplanned_fits=unplanned_need <= budget)
+                    if reused is not None:
+                        needed = unplanned_need
+                        model, infos, chosen, recomputed = reused
+                        break
             needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
             if budget is None or trace.min_budget_bytes <= budget:
                 chosen = (program, trace, (), program, None)
                 break
-            if len(programs) == 1 and "recompute" in self.passes:
-                # A recompute plan made for a similar input size, if it fits this one (Mimose's
-                # plan cache): no block-size search, no planning.
-                reused = self.recompute.reuse(infos, budget)
-                if reused is not None:
-                    model, infos, chosen, recomputed = reused
-                    break
+            if first and recompute_allowed:
+                # Recompute in large blocks before smaller blocks without it: on this CPU every
+                # cut costs more than the recomputation (README, "Recompute").
+                break
         if chosen is not None and not recomputed and len(chosen[0].blocks) > len(programs[0].blocks):
             # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
             # fit with fewer, larger (faster) blocks.
             program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
             chosen = (program, trace, (), program, None)
-        if chosen is None and "recompute" in self.passes and self.graph.loss_name:
+        if chosen is None and recompute_allowed:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         if chosen is None and "swap" in self.passes:
             chosen, needed = self._plan_swaps(programs, infos, budget, model)
@@ -249,8 +257,8 @@ class GraphRunner:
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
-        if "recompute" in self.passes and self.graph.loss_name and budget is not None:
-            self.recompute.observe(infos)
+        if recompute_allowed and budget is not None:
+            self.recompute.observe(infos, unplanned_need)
         program, trace, applied, base, plan = chosen
         prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
                                 recomputed_nodes=recomputed)

@@ -148,7 +148,7 @@ def test_variable_lengths_are_planned_once_each_for_their_own_memory():
     lengths = [4, 8, 16, 12, 8, 16, 4, 12]
     data = batches("bert", len(lengths), seq_lengths=lengths)
     reference = train_ort("bert", optimizer="adamw", steps=len(lengths), data=data)
-    run = train_ort("bert", optimizer="adamw", steps=len(lengths), data=data, budget=1_000_000, passes="recompute")
+    run = train_ort("bert", optimizer="adamw", steps=len(lengths), data=data, budget=1_150_000, passes="recompute")
     report = run.trainer.report()
     assert report["peak_device_bytes"] <= report["budget_bytes"]
     assert report["plans_made"] == len(set(lengths))

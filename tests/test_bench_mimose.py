@@ -1,0 +1,67 @@
+"""The Mimose benchmark's quick mode runs end to end and writes consistent JSON (issue 4,
+acceptance bullet on ``benchmarks/mimose.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600  # the quick run takes ~2 min on 2 cores; the bound only stops a hung run
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mimose")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mimose", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc, json.loads((out / "mimose.json").read_text())
+
+
+def test_writes_the_result_and_prints_the_table(quick_run):
+    out, proc, result = quick_run
+    assert sorted(os.listdir(out)) == ["mimose.json"]
+    assert "static / input-aware" in proc.stdout and ("PASS" in proc.stdout or "FAIL" in proc.stdout)
+    assert result["benchmark"] == "mimose" and result["mode"] == "quick"
+    assert "benchmarks.mimose" in result["command"]
+
+
+def test_three_plans_on_the_same_epoch_within_budget_and_bitwise(quick_run):
+    _, _, result = quick_run
+    epoch = result["epoch"]
+    rows = {r["row"]: r for r in epoch["rows"]}
+    assert list(rows) == ["unplanned", "static", "input_aware"]
+    lengths = epoch["lengths"]
+    assert lengths[0] == max(lengths) == 256 and min(lengths) >= 16
+    for name in ("static", "input_aware"):
+        row = rows[name]
+        assert row["budget_bytes"] == epoch["budget_bytes"] < epoch["longest_unplanned_peak_bytes"]
+        assert row["within_budget"] and row["peak_device_bytes"] <= row["budget_bytes"]
+        assert row["losses_bitwise_equal"] and row["state_bitwise_equal"]
+        assert [s["length"] for s in row["per_step"]] == lengths
+        assert row["recomputed_nodes_run"] > 0
+        assert row["epoch_s"] == pytest.approx(sum(s["wall_s"] for s in row["per_step"]))
+    assert rows["unplanned"]["recomputed_nodes_run"] == 0
+    # the static plan is made once, for the longest batch, and then only reused
+    assert rows["static"]["recompute"]["recompute_plans"] == 1
+    assert rows["static"]["recompute"]["policy"] == "static"
+    assert epoch["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
+
+
+def test_plan_time_and_estimator_error_are_measured(quick_run):
+    _, _, result = quick_run
+    plan = result["plan_time"]
+    assert plan["layers_in_model"] == 12 and plan["within_budget"]
+    assert plan["recompute"]["estimator_fitted"] and plan["recompute"]["estimated_plans"] >= 1
+    assert 0 < plan["choose_s_median"] < plan["choose_s_p99"] * 1.0001
+    errors = plan["recompute"]["estimator_error_per_layer"]
+    assert len(errors) == plan["segments"] and all(e["sizes"] >= 1 for e in errors)
+    assert {t["what"].split(" ")[0] for t in result["targets"]} == {"input-aware", "plan", "estimator"}
