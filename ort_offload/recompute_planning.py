@@ -11,8 +11,10 @@ learned across sizes (the per-layer memory estimator, the plan cache). For a new
    boundaries, replayed through the arena. If it fits, it is used (a reuse, no planning).
 2. **New plan**: while the estimator is fitting (the first sizes), the bucket rule runs with the
    excess measured by a memory replay after every choice (exact, seconds). Once fitted, the rule
-   runs on predicted bytes alone (sub-millisecond: the plan time reported), then one replay
-   checks it; if the estimate fell short, the rule continues with measured excess.
+   runs on predicted bytes alone (sub-millisecond: the plan time reported), each segment
+   credited with the share of its saved bytes that earlier plans actually took off the least
+   budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the estimate
+   fell short, the rule continues with measured excess.
 3. The chosen segments get the largest blocks that fit (or every segment, if that fits with
    fewer blocks); the plan and its block boundaries go into the cache.
 
@@ -90,6 +92,7 @@ class RecomputePlanning:
         self.stats = RecomputeStats()
         self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
+        self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
 
     # ---- size-independent parts -------------------------------------------------------------
 
@@ -186,7 +189,8 @@ class RecomputePlanning:
         first: tuple[int, ...] = ()
         if self.estimator.ready:
             excess = self.estimator.predict_need(size) - budget
-            first = plan_from_estimates(self.estimator.predict_layers(size), excess)
+            credit = self.credit()
+            first = plan_from_estimates([credit * b for b in self.estimator.predict_layers(size)], excess)
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plans += 1
         result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
@@ -195,6 +199,10 @@ class RecomputePlanning:
                 self.stats.estimate_fell_short += 1
         else:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
+        if not isinstance(result, NoRecomputePlan) and result.saved_bytes > 0:
+            # How much of the recomputed segments' saved bytes came off the least budget.
+            empty = need(False)(RecomputePlan(()))
+            self._credits.append((empty - need(False)(result)) / result.saved_bytes)
 
         if not isinstance(result, NoRecomputePlan):
             key = tuple(s.index for s in result.segments)
@@ -226,11 +234,18 @@ class RecomputePlanning:
         return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
             trace.min_budget_bytes
 
+    def credit(self) -> float:
+        """The share of a segment's saved bytes a plan can count on taking off the least
+        budget: Mimose credits all of it, but a recomputed segment's checkpoint and its clones
+        still need memory. The median over measured plans (1 before any), at most 1."""
+        return min(1.0, statistics.median(self._credits)) if self._credits else 1.0
+
     def summary(self) -> dict:
         """Plan counts and times, and the estimator's per-layer errors."""
         out = self.stats.summary()
         out["policy"] = self.policy
         out["estimator_fitted"] = bool(self.estimator and self.estimator.ready)
+        out["saved_bytes_credit"] = self.credit()
         out["estimator_error_per_layer"] = self.estimator.error_summary() if self.estimator else []
         return out
 

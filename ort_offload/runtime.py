@@ -200,6 +200,8 @@ class GraphRunner:
         prepared = self._prepared.get(signature)
         if prepared is not None:
             self.runtime.stats.plan_cache_hits += 1
+            self.last_trace = prepared.trace
+            self.last_prepared = prepared
             return prepared
         self.runtime.stats.plans_made += 1
         start = time.perf_counter()

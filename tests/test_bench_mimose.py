@@ -49,11 +49,14 @@ def test_three_plans_on_the_same_epoch_within_budget_and_bitwise(quick_run):
         assert [s["length"] for s in row["per_step"]] == lengths
         assert row["recomputed_nodes_run"] > 0
         assert row["epoch_s"] == pytest.approx(sum(s["wall_s"] for s in row["per_step"]))
+        # the first plan is made when the trainer is created (for the first, longest batch)
+        assert sum(s["new_plan"] for s in row["per_step"]) == row["recompute"]["recompute_plans"] - 1
     assert rows["unplanned"]["recomputed_nodes_run"] == 0
     # the static plan is made once, for the longest batch, and then only reused
     assert rows["static"]["recompute"]["recompute_plans"] == 1
     assert rows["static"]["recompute"]["policy"] == "static"
     assert epoch["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
+    assert epoch["speedup_run_existing_plans"] > 0
 
 
 def test_plan_time_and_estimator_error_are_measured(quick_run):
