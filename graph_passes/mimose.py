@@ -180,6 +180,9 @@ class PlanCache(Generic[T]):
     def put(self, size: int, plan: T) -> None:
         self._plans[self.key(size)] = plan
 
+    def discard(self, size: int) -> None:
+        self._plans.pop(self.key(size), None)
+
     def __len__(self) -> int:
         return len(self._plans)
 

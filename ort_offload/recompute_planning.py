@@ -138,6 +138,10 @@ class RecomputePlanning:
         self.stats.reuses += 1
         return model, model_infos, (program, trace, ("recompute",), program, None), clones
 
+    def forget(self, infos) -> None:
+        """Drop the cached plan of this input size's bucket (a plan the runner did not take)."""
+        self.cache.discard(input_size(infos, self.runner.graph.data_inputs))
+
     def observe(self, infos, unplanned_need: int) -> None:
         """Feed a new input size to the estimator (the runner calls this once per signature):
         the layers' saved bytes, exact from shapes, and the least budget of the unplanned

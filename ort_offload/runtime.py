@@ -22,10 +22,12 @@ from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.offload_choice import recompute_first, segment_costs
 from graph_passes.partition import fit_blocks, refine_blocks
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
+from graph_passes.recompute_pass import recomputed_infos
 from graph_passes.shapes import TensorInfo
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
@@ -179,6 +181,8 @@ class GraphRunner:
         self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
         self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy)
+        self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
+        self.last_segment_costs: list = []  # graph_passes.offload_choice.SegmentCost of that choice
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
@@ -244,12 +248,12 @@ class GraphRunner:
             # fit with fewer, larger (faster) blocks.
             program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
             chosen = (program, trace, (), program, None)
-        if chosen is None and recompute_allowed:
+        if chosen is None and recompute_allowed and "swap" in self.passes:
+            model, infos, chosen, recomputed, needed = self._choose_recompute_or_swap(infos, budget, needed)
+        elif chosen is None and recompute_allowed:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
-        if chosen is None and "swap" in self.passes:
-            chosen, needed = self._plan_swaps(programs, infos, budget, model)
-            if chosen is not None and recomputed:
-                chosen = (*chosen[:2], ("recompute", "swap"), *chosen[3:])
+        elif chosen is None and "swap" in self.passes:
+            chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
         if chosen is None:
             offered = [{"recompute": "recompute", "swap": "swapping"}[p] for p in ("recompute", "swap") if p in self.passes]
             how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
@@ -283,6 +287,12 @@ class GraphRunner:
             extra_cuts=extra_cuts,
         )
 
+    def simulated_time(self, program: Program, infos, model: onnx.ModelProto, budget: int) -> float:
+        """Step time of ``program`` simulated on the planning profile."""
+        profile = self.runtime.planning_profile()
+        return simulate_time(program, infos, model=model, cost_model=AnalyticalCostModel(profile), profile=profile,
+                             budget=budget, alignment=self.runtime.device.alignment).step_time_s
+
     def lowerings(self, model: onnx.ModelProto, infos, schedule):
         """``model`` lowered with each candidate block size, largest first (lazily)."""
         for block_nodes in block_size_candidates(len(model.graph.node), self.runtime.device.max_block_nodes):
@@ -307,9 +317,54 @@ class GraphRunner:
             return refined
         return program, trace
 
+    def _choose_recompute_or_swap(self, infos, budget: int, needed: int):
+        """Where recompute and swap are both allowed (issue 4, item 5): plan recompute alone
+        (or as far as it goes, then swap), swap alone, and the segments cheaper to recompute
+        than to copy (:mod:`graph_passes.offload_choice`) recomputed with the rest swapped; the
+        fastest in simulation on the planning profile wins. Returns (model, infos, chosen or
+        None, clone count, least budget); ``self.last_choice`` lists the candidates."""
+        profile = self.runtime.planning_profile()
+        candidates = []  # (label, simulated seconds, model, infos, chosen, clones)
+
+        def with_swaps(label, model, model_infos, programs, clones):
+            nonlocal needed
+            swapped, least, seconds = self._plan_swaps(programs, model_infos, budget, model)
+            needed = min(needed, least)
+            if swapped is not None:
+                applied = ("recompute", "swap") if clones else ("swap",)
+                candidates.append((label, seconds, model, model_infos, (*swapped[:2], applied, *swapped[3:]), clones))
+
+        r_model, r_infos, r_programs, r_chosen, r_clones, least = self.recompute.plan(infos, budget, [], needed)
+        needed = min(needed, least)
+        if r_chosen is not None:
+            seconds = self.simulated_time(r_chosen[0], r_infos, r_model, budget)
+            candidates.append(("recompute", seconds, r_model, r_infos, r_chosen, r_clones))
+        else:
+            with_swaps("recompute all, swap the rest", r_model, r_infos, r_programs, r_clones)
+        with_swaps("swap", self.model, infos, list(self.lowerings(self.model, infos, self.schedule)), 0)
+        segments = self.recompute.segments(infos)
+        costs = segment_costs(segments, self.model, infos, cost_model=AnalyticalCostModel(profile), profile=profile)
+        cheap = recompute_first(costs)
+        if cheap and len(cheap) < len([s for s in segments if s.saved_bytes > 0]):
+            m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
+            m_infos = recomputed_infos(infos, m_model)
+            with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest", m_model, m_infos,
+                       list(self.lowerings(m_model, m_infos, m_schedule)), m_clones)
+        self.last_choice = [(label, seconds) for label, seconds, *_ in candidates]
+        self.last_segment_costs = costs
+        if not candidates:
+            return self.model, infos, None, 0, needed
+        label, seconds, model, model_infos, chosen, clones = min(candidates, key=lambda c: c[1])
+        if label != "recompute":
+            self.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
+        logger.info("recompute or swap for %s on %s: %s (%s)", self.graph.name, profile.name, label,
+                    ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
+        return model, model_infos, chosen, clones, needed
+
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
-        the device's planning profile); else (None, least budget any of them needs)."""
+        the device's planning profile), the least budget any of them needs, and the plan's
+        simulated step time; (None, least budget, None) if none fits."""
         alignment = self.runtime.device.alignment
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
         needed = min(required_bytes(program, sizes) for program in programs)
@@ -344,14 +399,14 @@ class GraphRunner:
             search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
         result = search.search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
         if result is None:
-            return None, needed
+            return None, needed, None
         best = result.best
         logger.info(
             "swap plan for %s on %s: %d blocks, state on host %r, %d swaps, %s out / %s in per step",
             self.graph.name, profile.name, len(best.base_program.blocks), best.state_placement, best.plan.swap_count,
             format_bytes(best.plan.swap_out_bytes), format_bytes(best.plan.swap_in_bytes),
         )
-        return (best.program, best.trace, ("swap",), best.base_program, best.plan), needed
+        return (best.program, best.trace, ("swap",), best.base_program, best.plan), needed, best.step_time_s
 
     def prepared_steps(self) -> list[PreparedStep]:
         """Every program prepared so far (one per input signature)."""

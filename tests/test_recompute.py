@@ -93,7 +93,12 @@ def test_a_budget_recompute_cannot_reach_states_its_minimum_and_swap_goes_furthe
     assert at_minimum.losses == unplanned["gpt"].losses[:2]
     both = train_ort("gpt", optimizer="adamw", steps=5, budget="0.25x", passes="recompute,swap")
     report = both.trainer.report()
-    assert report["passes"] == ["recompute", "swap"] and report["peak_device_bytes"] <= report["budget_bytes"]
+    # recompute alone does not reach 0.25x: the candidates all swap; the simulator picks one
+    choice = dict(both.trainer.runner.last_choice)
+    assert {"recompute all, swap the rest", "swap"} <= set(choice)
+    fastest = min(choice, key=choice.get)
+    assert report["passes"] == (["swap"] if fastest == "swap" else ["recompute", "swap"])
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
     assert both.losses == unplanned["gpt"].losses
     assert all(both.state[k].tobytes() == v.tobytes() for k, v in unplanned["gpt"].state.items())
 
