@@ -11,9 +11,10 @@ SwapAdvisor swaps everything. This module prices each segment both ways on a dev
 - ``swap_s``: the copy time of its saved bytes, out and back in, at the one-way link rates:
   what swapping costs when nothing hides it.
 
-:func:`recompute_first` gives the segments cheaper to recompute. The runtime then plans whole
-candidates (recompute only; swap only; those segments recomputed and the rest swapped) and the
-simulator, which knows what the copies hide under, picks the fastest (see
+:func:`recompute_first` gives the segments cheaper to recompute (by a margin, optionally). The
+runtime then plans whole candidates (recompute only; swap only; those segments recomputed and the
+rest swapped, for margins :data:`RATIOS`) and the simulator, which knows what the copies hide
+under, picks the fastest (see
 :meth:`ort_offload.runtime.GraphRunner.prepare`).
 """
 
@@ -28,6 +29,11 @@ from graph_passes.cost_model import CostModel, transfer_time
 from graph_passes.device_profiles import DeviceProfile
 from graph_passes.recompute import Segment
 from graph_passes.shapes import TensorInfo
+
+
+# Margins for the mixed candidates: segments cheaper to recompute than to copy, and those ten
+# times cheaper (when most copies hide under compute, only nearly free recomputation pays).
+RATIOS = (1.0, 0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +65,11 @@ def segment_costs(
     return out
 
 
-def recompute_first(costs: Sequence[SegmentCost]) -> tuple[int, ...]:
-    """Indices of the segments (saving something) that are cheaper to recompute than to swap."""
-    return tuple(c.index for c in costs if c.saved_bytes > 0 and c.cheaper == "recompute")
+def recompute_first(costs: Sequence[SegmentCost], ratio: float = 1.0) -> tuple[int, ...]:
+    """Indices of the segments (saving something) whose recomputation costs less than ``ratio``
+    times their copies (``ratio=1``: cheaper to recompute; smaller: by that margin, for when
+    part of the copies would hide under compute)."""
+    return tuple(c.index for c in costs if c.saved_bytes > 0 and c.recompute_s < ratio * c.swap_s)
 
 
-__all__ = ["SegmentCost", "recompute_first", "segment_costs"]
+__all__ = ["RATIOS", "SegmentCost", "recompute_first", "segment_costs"]

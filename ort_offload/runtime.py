@@ -22,7 +22,7 @@ from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
 from graph_passes.memory import MemoryTrace, align_up, simulate_program
-from graph_passes.offload_choice import recompute_first, segment_costs
+from graph_passes.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.partition import fit_blocks, refine_blocks
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
@@ -344,12 +344,13 @@ class GraphRunner:
         with_swaps("swap", self.model, infos, list(self.lowerings(self.model, infos, self.schedule)), 0)
         segments = self.recompute.segments(infos)
         costs = segment_costs(segments, self.model, infos, cost_model=AnalyticalCostModel(profile), profile=profile)
-        cheap = recompute_first(costs)
-        if cheap and len(cheap) < len([s for s in segments if s.saved_bytes > 0]):
-            m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
-            m_infos = recomputed_infos(infos, m_model)
-            with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest", m_model, m_infos,
-                       list(self.lowerings(m_model, m_infos, m_schedule)), m_clones)
+        saving = len([s for s in segments if s.saved_bytes > 0])
+        for cheap in dict.fromkeys(recompute_first(costs, ratio) for ratio in RATIOS):
+            if cheap and len(cheap) < saving:
+                m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
+                m_infos = recomputed_infos(infos, m_model)
+                with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest", m_model, m_infos,
+                           list(self.lowerings(m_model, m_infos, m_schedule)), m_clones)
         self.last_choice = [(label, seconds) for label, seconds, *_ in candidates]
         self.last_segment_costs = costs
         if not candidates:
