@@ -26,6 +26,7 @@ bench: setup
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.swap
 	$(PY) -m benchmarks.peers
+	$(PY) -m benchmarks.mimose
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
