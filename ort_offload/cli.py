@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +29,8 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
     parser.add_argument("--arena-policy", default="best_fit", choices=["best_fit", "double_buffer"],
                         help="where the arena places tensors (double_buffer: work and migration halves)")
+    parser.add_argument("--recompute-policy", default="input_aware", choices=["input_aware", "static"],
+                        help="recompute plans per input size (input_aware, Mimose) or one for every size (static)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
@@ -42,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="tiny", help="model config (tiny, small)")
     train.add_argument("--batch", type=int, default=None)
     train.add_argument("--seq", type=int, default=None)
+    train.add_argument("--seq-range", default=None, metavar="MIN:MAX",
+                       help="variable-length training: each step's sequence length drawn from MIN..MAX (the "
+                            "first step gets MAX); one exported graph serves every length, each new one is planned")
     train.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
@@ -127,9 +133,28 @@ def _zoo_spec(args):
         raise UnknownModelError(str(e)) from e
 
 
-def _batch(spec, args, step: int):
+def _seq_lengths(args) -> list[int] | None:
+    """Per-step sequence lengths for ``--seq-range MIN:MAX`` (seeded; the first is MAX), else None."""
+    if getattr(args, "seq_range", None) is None:
+        return None
+    from ort_offload.errors import InputMismatchError
+
+    if args.seq is not None:
+        raise InputMismatchError("--seq and --seq-range exclude each other: give one of them")
+    low, sep, high = args.seq_range.partition(":")
     try:
-        return spec.make_batch(args.batch, args.seq, seed=args.seed * 100003 + step)
+        low, high = int(low), int(high)
+    except ValueError:
+        low = high = 0
+    if not sep or not 1 <= low <= high:
+        raise InputMismatchError(f"--seq-range {args.seq_range!r}: expected MIN:MAX with 1 <= MIN <= MAX, e.g. 16:256")
+    rng = random.Random(args.seed)
+    return [high] + [rng.randint(low, high) for _ in range(args.steps - 1)]
+
+
+def _batch(spec, args, step: int, seq: int | None = None):
+    try:
+        return spec.make_batch(args.batch, seq if seq is not None else args.seq, seed=args.seed * 100003 + step)
     except ValueError as e:
         from ort_offload.errors import InputMismatchError
 
@@ -156,6 +181,7 @@ def _device(args):
     return ort_offload.set_offload_device(
         args.device, budget=args.budget, **({"max_block_nodes": args.block_nodes} if args.block_nodes else {}),
         arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
+        recompute_policy=getattr(args, "recompute_policy", "input_aware"),
     )
 
 
@@ -168,14 +194,15 @@ def _train(args) -> int:
         raise OffloadError("--steps must be at least 1")
     device = _device(args)
     spec = _zoo_spec(args)
-    inputs, targets = _batch(spec, args, 0)
+    lengths = _seq_lengths(args) or [None] * args.steps
+    inputs, targets = _batch(spec, args, 0, lengths[0])
     options = {"lr": args.lr} if args.lr is not None else {}
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
         optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir, **options,
     )
-    batches = [_batch(spec, args, step) for step in range(args.steps)]
+    batches = [_batch(spec, args, step, lengths[step]) for step in range(args.steps)]
     _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)
     extra = {}
     if args.verify:

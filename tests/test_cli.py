@@ -226,3 +226,19 @@ def test_transform_with_recompute_writes_clones_that_stock_onnxruntime_runs_iden
 
     for before, after in zip(outputs(graph.model), outputs(model)):
         np.testing.assert_array_equal(before, after)
+
+
+def test_train_with_variable_sequence_lengths_plans_each_new_length(tmp_path, capsys):
+    report_path = tmp_path / "r.json"
+    code = run_cli("train", "--model", "bert", "--seq-range", "16:200", "--steps", "6", "--budget", "14MB",
+                   "--passes", "recompute", "--json", report_path, "--quiet")
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["within_budget"] is True and report["steps"] == 6
+    assert report["plans_made"] >= 2  # the first (longest) length and at least one other
+    assert report["recompute_plans"] >= 1 and report["recomputed_nodes"] > 0
+    capsys.readouterr()  # the export's warnings
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "64:16", message="--seq-range")
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16", message="MIN:MAX")
+    _expect_error(capsys, "train", "--model", "bert", "--seq", "16", "--seq-range", "16:32", message="exclude")
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16:300", message="max_seq")
