@@ -3,28 +3,32 @@ does when a new input shape needs recomputation to fit its budget (Mimose, issue
 
 One graph with a dynamic sequence (and batch) axis serves every input size. Per runner this
 module keeps what does not depend on the size (the forward segments, found once; the rewritten
-graph of each segment set, so block sessions are reused across sizes and plans) and what is
-learned across sizes (the per-layer memory estimator, the plan cache). For a new signature:
+graph of each segment set, whose block sessions serve every size the plan is used at) and what
+is learned across sizes (the per-layer memory estimator, the plan cache). For a new signature
+whose unplanned graph does not fit:
 
 1. **Plan cache**: a plan made for a similar size (same :class:`~graph_passes.mimose.PlanCache`
    bucket) is checked for this size: the graph it rewrites, lowered with the same block
    boundaries, replayed through the arena. If it fits, it is used (a reuse, no planning).
-2. **New plan**: while the estimator is fitting (the first sizes), the bucket rule runs with the
-   excess measured by a memory replay after every choice (exact, seconds). Once fitted, the rule
-   runs on predicted bytes alone (sub-millisecond: the plan time reported), each segment
-   credited with the share of its saved bytes that earlier plans actually took off the least
-   budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the estimate
-   fell short, the rule continues with measured excess.
-3. The chosen segments get the largest blocks that fit (or every segment, if that fits with
-   fewer blocks); the plan and its block boundaries go into the cache.
+2. **New plan**, first with the graph in its largest blocks (on this CPU a block cut costs more
+   than recomputation): while the estimator is fitting (the first sizes), the bucket rule runs
+   with the excess measured by a memory replay after every choice (exact, seconds). Once fitted,
+   the rule runs on predicted bytes alone (sub-millisecond: the plan time reported), each
+   segment credited with the share of its saved bytes that earlier plans actually took off the
+   least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
+   estimate fell short, the rule continues with measured excess.
+3. Only if recomputing every segment does not fit in the largest blocks: the bucket rule with
+   single-node blocks, then the largest blocks that fit that plan. The plan and its block
+   boundaries go into the cache.
 
 Every new signature, planned or not, is a sample for the estimator until it is fitted (the
 first :data:`~graph_passes.mimose.FIT_SIZES` sizes: Mimose's collection phase); after that
 the estimator's error is recorded per layer at each new size.
 
-``policy="static"`` keeps one cache entry for every size: the first plan (made for the first
-signature, normally the longest) serves all later ones that it fits, the Sublinear-style
-worst-case plan that Mimose compares against.
+``policy="static"`` keeps one cache entry for every size: the first plan (made at the first
+signature that needs one; the benchmark makes that the longest) is applied to every later size
+it fits, also where the unplanned graph would fit: the Sublinear-style worst-case plan that
+Mimose compares against.
 """
 
 from __future__ import annotations
