@@ -18,8 +18,9 @@ whose unplanned graph does not fit:
    least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
    estimate fell short, the rule continues with measured excess.
 3. Only if recomputing every segment does not fit in the largest blocks: the bucket rule with
-   single-node blocks, then the largest blocks that fit that plan. The plan and its block
-   boundaries go into the cache.
+   single-node blocks, then a block layout this rewritten graph already ran with at another
+   size if one fits (its sessions exist), else the largest blocks that fit. The plan and its
+   block boundaries go into the cache.
 
 Every new signature, planned or not, is a sample for the estimator until it is fitted (the
 first :data:`~graph_passes.mimose.FIT_SIZES` sizes: Mimose's collection phase); after that
@@ -97,6 +98,7 @@ class RecomputePlanning:
         self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
+        self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
 
     # ---- size-independent parts -------------------------------------------------------------
 
@@ -141,6 +143,18 @@ class RecomputePlanning:
             return None
         self.stats.reuses += 1
         return model, model_infos, (program, trace, ("recompute",), program, None), clones
+
+    def _known_layout(self, key, model, schedule, model_infos, budget: int):
+        """(program, trace) in the fewest-block layout this rewritten graph already ran with at
+        another size, if one fits ``budget``: its block sessions exist (a new layout's sessions
+        cost more to create, in its first run, than an extra block costs per step)."""
+        for cuts in sorted(self._layouts.get(key, ()), key=len):
+            program = self.runner.lower_program(model, model_infos, schedule, max_block_nodes=len(model.graph.node),
+                                                extra_cuts=cuts)
+            trace = simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
+            if trace.min_budget_bytes <= budget:
+                return program, trace
+        return None
 
     def forget(self, infos) -> None:
         """Drop the cached plan of this input size's bucket (a plan the runner did not take)."""
@@ -224,9 +238,9 @@ class RecomputePlanning:
                 result = all_segments  # as far as recompute goes; swap does the rest
             key = tuple(s.index for s in result.segments)
             model, schedule, clones = self.rewrite(key, segments)
-            fitting = None
+            fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
             candidates = []
-            for program in runner.lowerings(model, model_infos(key), schedule):
+            for program in ([] if fitting is not None else runner.lowerings(model, model_infos(key), schedule)):
                 candidates.append(program)
                 trace = simulate_program(program, model_infos(key), alignment=alignment)
                 if trace.min_budget_bytes <= budget:
@@ -236,7 +250,9 @@ class RecomputePlanning:
                 return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
             program, trace = fitting
         model, schedule, clones = self.rewrite(key, segments)
-        self.cache.put(size, CachedPlan(key, _block_starts(program, schedule, len(model.graph.node))))
+        cuts = _block_starts(program, schedule, len(model.graph.node))
+        self.cache.put(size, CachedPlan(key, cuts))
+        self._layouts.setdefault(key, set()).add(cuts)
         logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
                     runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))
         return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
