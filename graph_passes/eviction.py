@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from graph_passes.program import Commit, Fetch, Load, Program, RunBlock, Step, SwapIn, SwapOut
+from graph_passes.program import Fetch, Load, Program, RunBlock, Step, SwapIn, SwapOut
 
 
 def _blocks_eviction(program: Program, step: Step, name: str) -> bool:

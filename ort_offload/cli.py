@@ -27,9 +27,9 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
     parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
-    parser.add_argument("--arena-policy", default="best_fit", choices=["best_fit", "double_buffer"],
+    parser.add_argument("--arena-policy", default="best_fit", choices=_arena_policies(),
                         help="where the arena places tensors (double_buffer: work and migration halves)")
-    parser.add_argument("--recompute-policy", default="input_aware", choices=["input_aware", "static"],
+    parser.add_argument("--recompute-policy", default="input_aware", choices=_recompute_policies(),
                         help="recompute plans per input size (input_aware, Mimose) or one for every size (static)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
@@ -173,6 +173,18 @@ def _profile_names() -> list[str]:
     from graph_passes.device_profiles import profile_names
 
     return profile_names()
+
+
+def _arena_policies() -> list[str]:
+    from ort_offload.arena import ARENA_POLICIES
+
+    return list(ARENA_POLICIES)
+
+
+def _recompute_policies() -> list[str]:
+    from ort_offload.device import RECOMPUTE_POLICIES
+
+    return list(RECOMPUTE_POLICIES)
 
 
 def _device(args):

@@ -41,7 +41,7 @@ import time
 from typing import TYPE_CHECKING
 
 from graph_passes.memory import simulate_program
-from graph_passes.mimose import FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
+from graph_passes.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.program import Program, order_dependent_last
 from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
 from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from ort_offload.runtime import GraphRunner
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +69,10 @@ class RecomputeStats:
     estimated_plans: int = 0  # ... of the new plans, those made from the estimator's predictions
     estimate_fell_short: int = 0  # estimated plans the replay found over budget (continued exactly)
     plan_times_s: list[float] = dataclasses.field(default_factory=list)  # per new plan: the choosing
+    estimated_plan_times_s: list[float] = dataclasses.field(default_factory=list)  # ... from the estimator
 
     def summary(self) -> dict:
-        estimated = self.plan_times_s[-self.estimated_plans:] if self.estimated_plans else []
+        estimated = self.estimated_plan_times_s
         return {
             "recompute_plans": self.plans,
             "recompute_plan_reuses": self.reuses,
@@ -87,11 +87,11 @@ class RecomputePlanning:
     """Recompute plans for one runner's graph, across input signatures."""
 
     def __init__(self, runner: "GraphRunner", *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES) -> None:
-        if policy not in RECOMPUTE_POLICIES:
+        if policy not in RECOMPUTE_POLICIES:  # set_offload_device checks it too; this class is usable alone
             raise ValueError(f"unknown recompute policy {policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
         self.runner = runner
         self.policy = policy
-        self.cache: PlanCache[CachedPlan] = PlanCache(None if policy == "static" else PlanCache().granularity)
+        self.cache: PlanCache[CachedPlan] = PlanCache(None if policy == "static" else CACHE_GRANULARITY)
         self.fit_sizes = fit_sizes
         self.estimator: LayerMemoryEstimator | None = None
         self.stats = RecomputeStats()
@@ -134,9 +134,7 @@ class RecomputePlanning:
         segments = self.segments(infos)
         model, schedule, clones = self.rewrite(cached.segments, segments)
         model_infos = recomputed_infos(infos, model)
-        program = self.runner.lower_program(model, model_infos, schedule, max_block_nodes=len(model.graph.node),
-                                            extra_cuts=cached.cuts)
-        trace = simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
+        program, trace = self._lowered_with_cuts(model, schedule, model_infos, cached.cuts)
         if trace.min_budget_bytes > budget:
             logger.info("cached recompute plan (%d segments) needs %s at input size %d, over the budget: "
                         "planning anew", len(cached.segments), format_bytes(trace.min_budget_bytes), size)
@@ -149,12 +147,15 @@ class RecomputePlanning:
         another size, if one fits ``budget``: its block sessions exist (a new layout's sessions
         cost more to create, in its first run, than an extra block costs per step)."""
         for cuts in sorted(self._layouts.get(key, ()), key=len):
-            program = self.runner.lower_program(model, model_infos, schedule, max_block_nodes=len(model.graph.node),
-                                                extra_cuts=cuts)
-            trace = simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
+            program, trace = self._lowered_with_cuts(model, schedule, model_infos, cuts)
             if trace.min_budget_bytes <= budget:
                 return program, trace
         return None
+
+    def _lowered_with_cuts(self, model, schedule, model_infos, cuts):
+        """(program, memory trace) of a rewritten graph in the block layout ``cuts``."""
+        program = self.runner.lower_with_cuts(model, model_infos, schedule, cuts)
+        return program, simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
 
     def forget(self, infos) -> None:
         """Drop the cached plan of this input size's bucket (a plan the runner did not take)."""
@@ -214,6 +215,7 @@ class RecomputePlanning:
             credit = self.credit()
             first = plan_from_estimates([credit * b for b in self.estimator.predict_layers(size)], excess)
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
+            self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1
         result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
         if self.estimator.ready:

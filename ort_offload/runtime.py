@@ -287,6 +287,12 @@ class GraphRunner:
             extra_cuts=extra_cuts,
         )
 
+    def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
+        """``model`` in blocks cut only at these schedule positions (and around order-dependent
+        nodes, which always get blocks of their own)."""
+        return self.lower_program(model, infos, schedule, max_block_nodes=max(len(model.graph.node), 1),
+                                  extra_cuts=cuts)
+
     def simulated_time(self, program: Program, infos, model: onnx.ModelProto, budget: int) -> float:
         """Step time of ``program`` simulated on the planning profile."""
         profile = self.runtime.planning_profile()
@@ -307,11 +313,7 @@ class GraphRunner:
         order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
         position_of = {node: position for position, node in enumerate(order)}
 
-        def lower_with_cuts(cuts):
-            return lower(model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
-                         fetches=self.fetches, max_block_nodes=max(len(order), 1), schedule=schedule, extra_cuts=cuts)
-
-        refined = fit_blocks(lower_with_cuts, infos, budget=budget, position_of=position_of,
+        refined = fit_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), infos, budget=budget, position_of=position_of,
                              alignment=self.runtime.device.alignment)
         if refined is not None and len(refined[0].blocks) < len(program.blocks):
             return refined
@@ -374,22 +376,15 @@ class GraphRunner:
             schedule = order_dependent_last(model)
             order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
 
-            def lower_with_cuts(cuts):
-                return lower(model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
-                             fetches=self.fetches, max_block_nodes=max(len(order), 1), schedule=schedule,
-                             extra_cuts=cuts)
-
-            refined = refine_blocks(lower_with_cuts, lambda p: (blocks_over(p, sizes, budget), None),
+            refined = refine_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), lambda p: (blocks_over(p, sizes, budget), None),
                                     position_of={node: k for k, node in enumerate(order)})
             if refined is not None and all(len(refined[0].blocks) < len(p.blocks) for p in programs
                                            if required_bytes(p, sizes) <= budget):
                 programs = [refined[0], *programs]
         profile = self.runtime.planning_profile()
-        cost_model = AnalyticalCostModel(profile)
 
         def step_time(program: Program) -> float:
-            return simulate_time(program, infos, model=model, cost_model=cost_model, profile=profile,
-                                 budget=budget, alignment=alignment).step_time_s
+            return self.simulated_time(program, infos, model, budget)
 
         if profile.copies_overlap_compute:
             search = SwapSearch()
