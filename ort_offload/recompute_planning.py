@@ -18,9 +18,10 @@ whose unplanned graph does not fit:
    least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
    estimate fell short, the rule continues with measured excess.
 3. Only if recomputing every segment does not fit in the largest blocks: the bucket rule with
-   single-node blocks, then a block layout this rewritten graph already ran with at another
-   size if one fits (its sessions exist), else the largest blocks that fit. The plan and its
-   block boundaries go into the cache.
+   single-node blocks; that plan and every segment recomputed each get a block layout their
+   rewritten graph already ran with at another size if one fits (its sessions exist), else
+   their fewest blocks that fit; fewer blocks win. The plan and its block boundaries go into
+   the cache.
 
 Every new signature, planned or not, is a sample for the estimator until it is fitted (the
 first :data:`~graph_passes.mimose.FIT_SIZES` sizes: Mimose's collection phase); after that
@@ -180,7 +181,8 @@ class RecomputePlanning:
         recomputation it saves, see the README): the bucket rule picks segments until the
         rewritten graph fits in them, measured by replay, starting from the estimator's plan
         once it is fitted. Only if recomputing everything does not fit there: the same rule
-        with single-node blocks, then the largest blocks that fit."""
+        with single-node blocks, then whichever of that plan and everything recomputed fits in
+        fewer blocks."""
         runner = self.runner
         alignment = runner.runtime.device.alignment
         segments = self.segments(infos)
@@ -238,19 +240,29 @@ class RecomputePlanning:
                 if "swap" not in runner.passes:
                     return runner.model, infos, programs, None, 0, min(needed, result.needed_bytes)
                 result = all_segments  # as far as recompute goes; swap does the rest
-            key = tuple(s.index for s in result.segments)
-            model, schedule, clones = self.rewrite(key, segments)
-            fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
-            candidates = []
-            for program in ([] if fitting is not None else runner.lowerings(model, model_infos(key), schedule)):
-                candidates.append(program)
-                trace = simulate_program(program, model_infos(key), alignment=alignment)
-                if trace.min_budget_bytes <= budget:
-                    fitting = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
-                    break
-            if fitting is None:  # only with swap allowed: swap does the rest
+            # That plan, and every segment recomputed (which may let larger blocks fit), each in
+            # a block layout it already ran with or its fewest blocks that fit: fewer blocks win
+            # (ties: less recomputed).
+            best = None  # (blocks, key, program, trace)
+            candidates: list[Program] = []
+            for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
+                key = tuple(s.index for s in plan.segments)
+                model, schedule, clones = self.rewrite(key, segments)
+                fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
+                for program in ([] if fitting is not None else runner.lowerings(model, model_infos(key), schedule)):
+                    if plan is result:
+                        candidates.append(program)
+                    trace = simulate_program(program, model_infos(key), alignment=alignment)
+                    if trace.min_budget_bytes <= budget:
+                        fitting = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
+                        break
+                if fitting is not None and (best is None or len(fitting[0].blocks) < best[0]):
+                    best = (len(fitting[0].blocks), key, *fitting)
+            if best is None:  # only with swap allowed: swap does the rest
+                key = tuple(s.index for s in result.segments)
+                model, _, clones = self.rewrite(key, segments)
                 return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
-            program, trace = fitting
+            _, key, program, trace = best
         model, schedule, clones = self.rewrite(key, segments)
         cuts = _block_starts(program, schedule, len(model.graph.node))
         self.cache.put(size, CachedPlan(key, cuts))

@@ -241,7 +241,7 @@ class GraphRunner:
                 break
             if first and recompute_allowed:
                 # Recompute in large blocks before smaller blocks without it: on this CPU every
-                # cut costs more than the recomputation (README, "Recompute").
+                # cut costs more than the recomputation (README, "How it works", recompute).
                 break
         if chosen is not None and not recomputed and len(chosen[0].blocks) > len(programs[0].blocks):
             # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may

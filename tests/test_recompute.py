@@ -159,6 +159,7 @@ def test_variable_lengths_are_planned_once_each_for_their_own_memory():
     assert report["plans_made"] == len(set(lengths))
     assert report["plan_cache_hits"] == len(lengths) + 1 - len(set(lengths))  # + the first plan, made at creation
     recomputed = [p.recomputed_nodes for p in run.trainer.runner.prepared_steps()]
-    assert max(recomputed) > 0 and min(recomputed) == 0  # input-aware: only long sequences recompute
+    # input-aware: each length gets its own plan (fewest blocks first, so not monotone in length)
+    assert max(recomputed) > 0 and len(set(recomputed)) > 1
     assert run.losses == reference.losses
     assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
