@@ -82,3 +82,19 @@ def _all_nodes(graph: onnx.GraphProto):
                 yield from _all_nodes(attr.g)
             for sub in attr.graphs:
                 yield from _all_nodes(sub)
+
+
+def check_training_step(graph) -> None:
+    """Reject a graph that is not a training step: no loss, no gradients and no updated state.
+
+    ``graph`` is a :class:`graph_passes.training_graph.TrainingGraph`. An inference graph
+    passes every other check and would "train" by computing its outputs; say so instead.
+    """
+    from graph_passes.training_graph import Role
+
+    has_grads = any(graph.roles.get(name) == Role.GRAD for name in graph.output_names)
+    if graph.loss_name is None and not graph.state_pairs and not has_grads:
+        raise ModelLoadError(
+            f"{graph.name} looks like an inference graph (no loss, gradient or updated-parameter outputs); "
+            "pass a training step: `ort-offload export` writes one for a zoo model"
+        )

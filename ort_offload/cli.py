@@ -1,8 +1,9 @@
-"""The ``ort-offload`` command line: ``train``, ``export``, ``run``, ``transform``, ``inspect``.
+"""The ``ort-offload`` command line: ``train``, ``export``, ``run``, ``transform``, ``inspect``, ``zoo``.
 
 ``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
 model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget;
-``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph.
+``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph;
+``zoo`` runs the model-zoo regression (exit code 1 when a model regresses).
 Every user error prints one line and exits with code 2; nothing is left half-written.
 """
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Sequence
 
 EXIT_USAGE = 2
+EXIT_REGRESSION = 1
+DEFAULT_ZOO_BASELINE = "zoo-baseline.json"
 
 
 def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
                      help="concrete shape of an input with symbolic dims, e.g. ids=8x128 (repeatable)")
     _add_common_run_options(run)
+
+    zoo = sub.add_parser("zoo", help="model-zoo regression: onnx light models and our zoo at several budgets")
+    zoo.add_argument("--quick", action="store_true",
+                     help="fast subset for CI: two light models and our tiny zoo at 0.5x")
+    zoo.add_argument("--models", default=None, help="comma list of zoo models to run (default: all)")
+    zoo.add_argument("--budgets", default=None, help="comma list of budgets (default 1.0x,0.5x,0.25x,min)")
+    zoo.add_argument("--steps", type=int, default=2, help="training steps per run (default 2)")
+    zoo.add_argument("--passes", default="auto", help="passes to plan with (default auto: swap where needed)")
+    zoo.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
+    zoo.add_argument("--markdown", dest="markdown_path", default=None, help="write the table as markdown")
+    zoo.add_argument("--baseline", default=None,
+                     help=f"baseline results (default {DEFAULT_ZOO_BASELINE}, zoo-baseline-quick.json with --quick): "
+                          "deltas are shown against it and a passing run replaces it")
+    zoo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -110,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _transform(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "zoo":
+            return _zoo(args)
         return _run(args)
     except (OffloadError, ZooUnknownModel) as e:
         print(f"ort-offload: error: {e}", file=sys.stderr)
@@ -307,13 +326,17 @@ def _export(args) -> int:
     return 0
 
 
-def _load_graph(path):
+def _load_graph(path, *, training_step: bool = True):
+    """Load and check a graph; ``training_step`` also rejects inference graphs."""
     from graph_passes.training_graph import TrainingGraph
-    from graph_passes.validate import check_supported_ops, load_model
+    from graph_passes.validate import check_supported_ops, check_training_step, load_model
 
     model = load_model(path)
     check_supported_ops(model)
-    return TrainingGraph.from_model(model, name=Path(path).stem)
+    graph = TrainingGraph.from_model(model, name=Path(path).stem)
+    if training_step:
+        check_training_step(graph)
+    return graph
 
 
 def _transform(args) -> int:
@@ -349,13 +372,60 @@ def _inspect(args) -> int:
     from ort_offload.transform import inspect_graph
 
     _check_outputs_writable(args.json_path)
-    graph = _load_graph(args.graph)
+    graph = _load_graph(args.graph, training_step=False)
     shapes = parse_input_shapes(args.input) if args.input else None
     summary = inspect_graph(graph, _device(argparse.Namespace(device="cpu", budget=None, block_nodes=None)), shapes)
     if args.json_path:
         write_json(summary, args.json_path)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _zoo(args) -> int:
+    from ort_offload.errors import OffloadError
+    from ort_offload.trainer import resolve_passes
+    from ort_offload import zoo
+
+    _check_outputs_writable(args.json_path, args.markdown_path)
+    if args.steps < 1:
+        raise OffloadError("--steps must be at least 1")
+    budgets = tuple(b.strip() for b in args.budgets.split(",")) if args.budgets else \
+        (zoo.QUICK_BUDGETS if args.quick else zoo.ZOO_BUDGETS)
+    for label in budgets:
+        if label != "min" and not (label.endswith("x") and _is_positive_float(label[:-1])):
+            raise OffloadError(f"--budgets {label!r}: use fractions of the unplanned peak such as 0.5x, or min")
+    passes = resolve_passes(args.passes)
+    if not passes:
+        raise OffloadError("--passes none cannot meet a budget below the unplanned peak: use auto, swap or recompute")
+    only = [m.strip() for m in args.models.split(",")] if args.models else None
+    cases = zoo.zoo_cases(quick=args.quick, only=only)
+    baseline_path = Path(args.baseline or ("zoo-baseline-quick.json" if args.quick else DEFAULT_ZOO_BASELINE))
+    _check_outputs_writable(baseline_path)
+    baseline = zoo.load_baseline(baseline_path)
+    results = zoo.run_zoo(cases, budgets=budgets, steps=args.steps, passes=passes, progress=not args.quiet)
+    table = zoo.render_markdown(results, budgets, baseline)
+    print(table)
+    if args.markdown_path:
+        zoo.write_text_atomic(args.markdown_path, table + "\n")
+    if args.json_path:
+        zoo.write_results(args.json_path, results, budgets=budgets, steps=args.steps, passes=passes)
+    found = zoo.regressions(results, baseline)
+    if found:
+        print(f"\n{len(found)} regression(s):", *(f"  {line}" for line in found), sep="\n", file=sys.stderr)
+        return EXIT_REGRESSION
+    if only is None and args.budgets is None:  # only a complete run of its kind becomes the baseline
+        zoo.write_results(baseline_path, results, budgets=budgets, steps=args.steps, passes=passes)
+        print(f"\nall {len(results)} models pass; baseline updated: {baseline_path}")
+    else:
+        print(f"\nall {len(results)} models pass")
+    return 0
+
+
+def _is_positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _run(args) -> int:
