@@ -307,22 +307,30 @@ def _export(args) -> int:
     return 0
 
 
-def _load_graph(path):
-    return _load_graph_and_state(path)[0]
+def _load_graph(path, *, training_step: bool = True):
+    return _load_graph_and_state(path, training_step=training_step)[0]
 
 
-def _load_graph_and_state(path):
+def _load_graph_and_state(path, *, training_step: bool = True):
     """The graph in ``path`` and its parameter values where the file comes with them (the
-    checkpoint beside an ORT training artifact), else None."""
-    from graph_passes.training_graph import TrainingGraph
+    checkpoint beside an ORT training artifact), else None. ``training_step``: refuse a graph
+    that trains nothing (no state, no gradients: an inference or eval graph)."""
+    from graph_passes.training_graph import Role, TrainingGraph
     from graph_passes.validate import check_supported_ops, load_model
+    from ort_offload.errors import ModelLoadError
     from ort_offload.ort_artifacts import is_artifact_graph, load_training_artifact
 
     model = load_model(path)
     if is_artifact_graph(model):  # ORT's generate_artifacts: com.microsoft gradient ops
         return load_training_artifact(path, model=model)
     check_supported_ops(model)
-    return TrainingGraph.from_model(model, name=Path(path).stem), None
+    graph = TrainingGraph.from_model(model, name=Path(path).stem)
+    if training_step and not graph.state_inputs and not graph.names_with_role(Role.GRAD):
+        raise ModelLoadError(
+            f"{path} has no parameters or gradients (an inference or eval graph?): pass a training step, "
+            "e.g. from `ort-offload export` or the training_model.onnx of ORT's generate_artifacts"
+        )
+    return graph, None
 
 
 def _transform(args) -> int:
@@ -358,7 +366,7 @@ def _inspect(args) -> int:
     from ort_offload.transform import inspect_graph
 
     _check_outputs_writable(args.json_path)
-    graph = _load_graph(args.graph)
+    graph = _load_graph(args.graph, training_step=False)
     shapes = parse_input_shapes(args.input) if args.input else None
     summary = inspect_graph(graph, _device(argparse.Namespace(device="cpu", budget=None, block_nodes=None)), shapes)
     if args.json_path:

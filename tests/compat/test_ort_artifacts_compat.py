@@ -125,6 +125,11 @@ def test_bad_artifact_inputs_fail_in_one_line(artifacts, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "not an ORT training graph" in err and len(err.splitlines()) == 1 and not out.exists()
 
+    # The eval graph of the same artifacts: an inference graph with the loss, nothing to train.
+    assert main(["transform", str(path.parent / "eval_model.onnx"), "-o", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no parameters or gradients" in err and len(err.splitlines()) == 1 and not out.exists()
+
     # An op this build has no kernel for.
     model = onnx.load(str(path))
     node = next(n for n in model.graph.node if n.op_type == "ReluGrad")
