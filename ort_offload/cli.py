@@ -2,7 +2,9 @@
 
 ``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
 model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget;
-``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph.
+``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph. The
+last three also take the ``training_model.onnx`` of ORT's ``generate_artifacts``
+(:mod:`ort_offload.ort_artifacts`; its kernels need ``.venv-compat``).
 Every user error prints one line and exits with code 2; nothing is left half-written.
 """
 
