@@ -101,7 +101,8 @@ def _export(module, example, input_name: str, dynamic_axes):
 
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
-    """name -> (training_model.onnx path, batch shapes) for the MLP and the tiny transformer."""
+    """name -> (training_model.onnx path, batch shapes for symbolic inputs, number of classes:
+    labels and token ids are below it) for the MLP and the tiny transformer."""
     import onnxruntime
     import torch
 
@@ -114,8 +115,8 @@ def artifacts(tmp_path_factory):
     torch.manual_seed(0)
     model, params = _export(MLP(), torch.randn(BATCH, FEATURES), "x", {"x": {0: "batch"}, "logits": {0: "batch"}})
     made["mlp"] = (generate_training_artifacts(model, requires_grad=params, directory=root / "mlp"),
-                   {"x": (BATCH, FEATURES), "labels": (BATCH,)})
+                   {"x": (BATCH, FEATURES), "labels": (BATCH,)}, CLASSES)
     torch.manual_seed(0)
     model, params = _export(TinyGPT(), torch.randint(0, VOCAB, (BATCH, SEQ)), "ids", None)
-    made["gpt"] = (generate_training_artifacts(model, requires_grad=params, directory=root / "gpt"), {})
+    made["gpt"] = (generate_training_artifacts(model, requires_grad=params, directory=root / "gpt"), {}, VOCAB)
     return made

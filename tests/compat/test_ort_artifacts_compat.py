@@ -22,13 +22,11 @@ from ort_offload.ort_artifacts import (
 from ort_offload.trainer import OrtTrainer
 from ort_offload.transform import transform
 
-from conftest import CLASSES, VOCAB
-
 STEPS = 2
 
 
-def _batches(graph: TrainingGraph, shapes, *, steps: int = STEPS) -> list[dict[str, np.ndarray]]:
-    """Real batches: float features, token ids below the vocabulary, labels below the classes."""
+def _batches(graph: TrainingGraph, shapes, classes: int, *, steps: int = STEPS) -> list[dict[str, np.ndarray]]:
+    """Real batches: float features, integers (token ids, labels) below ``classes``."""
     from graph_passes.shapes import declared_inputs
 
     rng = np.random.default_rng(1)
@@ -42,8 +40,7 @@ def _batches(graph: TrainingGraph, shapes, *, steps: int = STEPS) -> list[dict[s
             if np.issubdtype(dtype, np.floating):
                 batch[name] = rng.standard_normal(shape).astype(dtype)
             else:
-                high = VOCAB if name in ("ids", "labels") and "ids" in graph.data_inputs else CLASSES
-                batch[name] = rng.integers(0, high, size=shape).astype(dtype)
+                batch[name] = rng.integers(0, classes, size=shape).astype(dtype)
         batches.append(batch)
     return batches
 
@@ -58,7 +55,7 @@ def _reference(graph: TrainingGraph, state, batch) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_artifact_loads_with_roles(artifacts, name):
-    path, _ = artifacts[name]
+    path, _, _ = artifacts[name]
     raw = onnx.load(str(path))
     graph, values = load_training_artifact(path)
     params = [v.name[: -len(ACCUMULATION_BUFFER_SUFFIX)] for v in raw.graph.input
@@ -75,9 +72,9 @@ def test_artifact_loads_with_roles(artifacts, name):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_artifact_transformed_at_half_peak_runs_bitwise_equal(artifacts, name, tmp_path):
-    path, shapes = artifacts[name]
+    path, shapes, classes = artifacts[name]
     graph, values = load_training_artifact(path)
-    batches = _batches(graph, shapes)
+    batches = _batches(graph, shapes, classes)
 
     planned = transform(graph, set_offload_device("cpu", budget="0.5x"), shapes, ("swap",))
     report = planned.report
@@ -103,7 +100,7 @@ def test_artifact_transformed_at_half_peak_runs_bitwise_equal(artifacts, name, t
 
 
 def test_cli_transform_and_run_artifact(artifacts, tmp_path, capsys):
-    path, _ = artifacts["mlp"]
+    path, _, _ = artifacts["mlp"]
     out = tmp_path / "mlp_planned.onnx"
     shapes = ["--input", "x=4x16", "--input", "labels=4"]
     assert main(["transform", str(path), "-o", str(out), "--budget", "0.5x", *shapes]) == 0
@@ -117,7 +114,7 @@ def test_cli_transform_and_run_artifact(artifacts, tmp_path, capsys):
 
 
 def test_bad_artifact_inputs_fail_in_one_line(artifacts, tmp_path, capsys):
-    path, shapes = artifacts["mlp"]
+    path, _, _ = artifacts["mlp"]
     out = tmp_path / "never.onnx"
     args = ["--budget", "0.5x", "--input", "x=4x16", "--input", "labels=4"]
     # The optimizer graph of the same artifacts is not a training step.
