@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 # A second environment for ORT training artifacts (training_model.onnx of generate_artifacts):
 # their com.microsoft gradient ops have kernels only in onnxruntime-training-cpu 1.19.2, which
 # installs as the `onnxruntime` module (it cannot share .venv with onnxruntime 1.31) and loads
-# IR <= 10 / opset <= 21 (onnx 1.17). torch first and pinned, as above; our package without its
-# dependencies (they name onnxruntime), then the rest of them explicitly.
+# IR <= 10 / opset <= 21 (onnx 1.17). torch first and pinned, as above; then the training build
+# and our other dependencies at versions tested with it; last our package without its declared
+# dependencies (they name onnxruntime 1.31 and onnx 1.23).
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
