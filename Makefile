@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench zoo zoo-quick clean
+.PHONY: setup run test bench zoo zoo-quick clean compat compat-test
 
 setup: $(STAMP)
 
@@ -15,6 +15,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# A second environment for ORT training artifacts (training_model.onnx of generate_artifacts):
+# their com.microsoft gradient ops have kernels only in onnxruntime-training-cpu 1.19.2, which
+# installs as the `onnxruntime` module (it cannot share .venv with onnxruntime 1.31) and loads
+# IR <= 10 / opset <= 21 (onnx 1.17). torch first and pinned, as above; then the training build
+# and our other dependencies at versions tested with it; last our package without its declared
+# dependencies (they name onnxruntime 1.31 and onnx 1.23).
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+COMPAT_PACKAGES := onnxruntime-training-cpu==1.19.2 onnx==1.17.0 onnx-ir==1.1.0 onnxscript==0.7.2 \
+	numpy==2.4.6 protobuf==7.36.2 rich matplotlib pytest hypothesis
+
+compat: $(COMPAT_STAMP)
+
+$(COMPAT_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet torch==2.13.0
+	$(COMPAT_PY) -m pip install --quiet $(COMPAT_PACKAGES)
+	$(COMPAT_PY) -m pip install --quiet --no-deps -e .
+	touch $(COMPAT_STAMP)
+
+# The ORT-artifact tests (tests/compat; the main suite ignores them where onnxruntime.training
+# is missing).
+compat-test: compat
+	$(COMPAT_PY) -m pytest -q tests/compat
 
 run: setup
 	$(PY) -m ort_offload train --model gpt --config small --budget 1.0x --steps 10 --verify
@@ -41,4 +67,4 @@ zoo-quick: setup
 	$(PY) -m ort_offload zoo --quick --baseline $(ZOO_OUT)/zoo-baseline-quick.json --json $(ZOO_OUT)/zoo-quick.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

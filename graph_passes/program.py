@@ -231,11 +231,18 @@ def lower(
             first_run = False
         steps.append(RunBlock(block.index, block.outputs, frees))
     # Swaps after the last node: swap-ins serve the fetches, swap-outs move the final state.
+    # Resident outputs are fetched first (each fetch frees its bytes), then the swaps run in
+    # the plan's order with each output fetched as soon as it is back: never more bytes at
+    # once than the order the plan was checked in (outputs swapped out and back, e.g. the
+    # gradients of a graph without an optimizer, arrive one at a time).
     at_end = swaps_at.get(len(order), ())
-    steps.extend(s for s in at_end if isinstance(s, SwapIn))
-    for name in fetches:
-        steps.append(Fetch(name, free=name not in state_pairs.values()))
-    steps.extend(s for s in at_end if not isinstance(s, SwapIn))
+    brought_back = {s.name for s in at_end if isinstance(s, SwapIn)}
+    fetch_set = set(fetches)
+    steps.extend(Fetch(n, free=n not in state_pairs.values()) for n in fetches if n not in brought_back)
+    for swap in at_end:
+        steps.append(swap)
+        if isinstance(swap, SwapIn) and swap.name in fetch_set:
+            steps.append(Fetch(swap.name, free=swap.name not in state_pairs.values()))
     renames = tuple((out, inp) for inp, out in state_pairs.items())
     for out, inp in renames:
         if infos[out].dtype != infos[inp].dtype or infos[out].shape != infos[inp].shape:

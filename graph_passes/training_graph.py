@@ -81,6 +81,17 @@ class TrainingGraph:
                 return name
         return None
 
+    @property
+    def step_fetches(self) -> list[str] | None:
+        """What one step hands back: the loss, then every other output that is not a state
+        update (the gradients of a graph without an optimizer, e.g. an ORT training artifact);
+        None (every output but the state updates) for a graph without a loss."""
+        loss = self.loss_name
+        if loss is None:
+            return None
+        updates = set(self.state_pairs.values())
+        return [loss] + [n for n in self.output_names if n != loss and n not in updates]
+
     def names_with_role(self, role: Role) -> list[str]:
         return [n for n, r in self.roles.items() if r == role]
 

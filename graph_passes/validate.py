@@ -85,16 +85,15 @@ def _all_nodes(graph: onnx.GraphProto):
 
 
 def check_training_step(graph) -> None:
-    """Reject a graph that is not a training step: no loss, no gradients and no updated state.
+    """Reject a graph that trains nothing: no state inputs and no gradient outputs.
 
-    ``graph`` is a :class:`graph_passes.training_graph.TrainingGraph`. An inference graph
-    passes every other check and would "train" by computing its outputs; say so instead.
+    ``graph`` is a :class:`graph_passes.training_graph.TrainingGraph`. An inference or eval
+    graph passes every other check and would "train" by computing its outputs; say so instead.
     """
     from graph_passes.training_graph import Role
 
-    has_grads = any(graph.roles.get(name) == Role.GRAD for name in graph.output_names)
-    if graph.loss_name is None and not graph.state_pairs and not has_grads:
+    if not graph.state_inputs and not graph.names_with_role(Role.GRAD):
         raise ModelLoadError(
-            f"{graph.name} looks like an inference graph (no loss, gradient or updated-parameter outputs); "
-            "pass a training step: `ort-offload export` writes one for a zoo model"
+            f"{graph.name} has no parameters or gradients (an inference or eval graph?): pass a training step, "
+            "e.g. from `ort-offload export` or the training_model.onnx of ORT's generate_artifacts"
         )

@@ -49,6 +49,7 @@ _LAZY = {
     "export_training_step": "ort_offload.export",
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.trainer",
+    "load_training_artifact": "ort_offload.ort_artifacts",
 }
 __all__ += sorted(_LAZY)
 

@@ -3,7 +3,9 @@
 ``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
 model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget;
 ``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph;
-``zoo`` runs the model-zoo regression (exit code 1 when a model regresses).
+``zoo`` runs the model-zoo regression (exit code 1 when a model regresses). ``run``,
+``transform`` and ``inspect`` also take the ``training_model.onnx`` of ORT's ``generate_artifacts``
+(:mod:`ort_offload.ort_artifacts`; its kernels need ``.venv-compat``).
 Every user error prints one line and exits with code 2; nothing is left half-written.
 """
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--cache-dir", default=None)
 
     transform = sub.add_parser("transform", help="plan a training-step ONNX graph for a budget and write the plan into it")
-    transform.add_argument("graph", help="training-step .onnx file")
+    transform.add_argument("graph", help="training-step .onnx file, or the training_model.onnx of ORT's generate_artifacts")
     transform.add_argument("-o", "--output", required=True, help="rewritten .onnx path")
     transform.add_argument("--budget", required=True, help="device budget: bytes, 64MiB or 0.5x of the unplanned peak")
     transform.add_argument("--passes", default="auto", help="auto, none, or a comma list (recompute, swap)")
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", dest="json_path", default=None)
 
     run = sub.add_parser("run", help="execute a training-step ONNX graph under a budget")
-    run.add_argument("graph", help="training-step .onnx file")
+    run.add_argument("graph", help="training-step .onnx file (or an ORT artifact training_model.onnx: parameters from its checkpoint)")
     run.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
                      help="concrete shape of an input with symbolic dims, e.g. ids=8x128 (repeatable)")
     _add_common_run_options(run)
@@ -327,16 +329,25 @@ def _export(args) -> int:
 
 
 def _load_graph(path, *, training_step: bool = True):
-    """Load and check a graph; ``training_step`` also rejects inference graphs."""
+    return _load_graph_and_state(path, training_step=training_step)[0]
+
+
+def _load_graph_and_state(path, *, training_step: bool = True):
+    """The graph in ``path`` and its parameter values where the file comes with them (the
+    checkpoint beside an ORT training artifact), else None. ``training_step``: refuse a graph
+    that trains nothing (no state, no gradients: an inference or eval graph)."""
     from graph_passes.training_graph import TrainingGraph
     from graph_passes.validate import check_supported_ops, check_training_step, load_model
+    from ort_offload.ort_artifacts import is_artifact_graph, load_training_artifact
 
     model = load_model(path)
+    if is_artifact_graph(model):  # ORT's generate_artifacts: com.microsoft gradient ops
+        return load_training_artifact(path, model=model)
     check_supported_ops(model)
     graph = TrainingGraph.from_model(model, name=Path(path).stem)
     if training_step:
         check_training_step(graph)
-    return graph
+    return graph, None
 
 
 def _transform(args) -> int:
@@ -438,9 +449,9 @@ def _run(args) -> int:
         raise OffloadError("--steps must be at least 1")
     device = _device(args)
     passes = resolve_passes(args.passes)
-    graph = _load_graph(args.graph)
+    graph, values = _load_graph_and_state(args.graph)
     shapes = parse_input_shapes(args.input)
-    state = random_state(graph, seed=args.seed)
+    state = random_state(graph, seed=args.seed) if values is None else values
     batches = [random_batch(graph, shapes, seed=args.seed * 100003 + step) for step in range(args.steps)]
     trainer = OrtTrainer(
         device, graph, initial_state=state, example_batch=batches[0],

@@ -95,9 +95,10 @@ class OrtTrainer:
         self._example_inputs = tuple(example_batch[n] for n in self.input_names)
         self._cache_dir = cache_dir
         self.losses: list[float] = []
+        self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
         self.runner = GraphRunner(
-            self.runtime, graph, fetches=[graph.loss_name] if graph.loss_name else None, passes=self.passes
+            self.runtime, graph, fetches=graph.step_fetches, passes=self.passes
         )
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
@@ -146,6 +147,7 @@ class OrtTrainer:
         feeds = self._feeds(batch, self.batch_names)
         prepared = self._prepare(self.runner, feeds)
         outputs = self.runner.run(feeds, prepared)
+        self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))

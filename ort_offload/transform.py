@@ -38,7 +38,7 @@ def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str,
                passes: tuple[str, ...]) -> tuple[GraphRunner, PreparedStep]:
     """Plan ``graph`` for its input signature on ``device`` (the runtime's planning)."""
     feeds = {**random_state(graph), **random_batch(graph, shapes)}
-    runner = GraphRunner(Runtime(device), graph, fetches=[graph.loss_name] if graph.loss_name else None, passes=passes)
+    runner = GraphRunner(Runtime(device), graph, fetches=graph.step_fetches, passes=passes)
     prepared = runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
     return runner, prepared
 
