@@ -83,6 +83,7 @@ class ModelResult:
     unplanned_peak_bytes: int | None = None
     min_budget_bytes: int | None = None
     unplanned_step_time_s: float | None = None
+    wall_s: float | None = None  # the whole case: export, reference, minimum and every budget
     budgets: list[BudgetResult] = dataclasses.field(default_factory=list)
     error: str = ""
 
@@ -243,6 +244,7 @@ def run_case(case: ZooCase, *, budgets: Sequence[str] = ZOO_BUDGETS, steps: int 
              passes: Sequence[str] = ("swap",), on_budget: Callable[[str], None] | None = None) -> ModelResult:
     """Run one case at every budget; errors are recorded in the result, never raised."""
     result = ModelResult(case.name, case.family)
+    start = time.perf_counter()
     try:
         prepared = case.build(steps)
         result.nodes, result.params = len(prepared.graph.graph.node), prepared.params
@@ -255,10 +257,13 @@ def run_case(case: ZooCase, *, budgets: Sequence[str] = ZOO_BUDGETS, steps: int 
         logger.debug("zoo case %s failed", case.name, exc_info=True)
         result.error = _one_line(e)
         return result
+    finally:
+        result.wall_s = time.perf_counter() - start
     for label in budgets:
         if on_budget:
             on_budget(label)
         result.budgets.append(_run_budget(prepared, result, label, reference, stock_reference, passes))
+    result.wall_s = time.perf_counter() - start
     return result
 
 
@@ -368,7 +373,7 @@ def _cell(b: BudgetResult) -> str:
 def render_markdown(results: Sequence[ModelResult], budgets: Sequence[str],
                     baseline: Mapping[str, Mapping[str, Any]]) -> str:
     """The results table; the minimum budget shows its change against the baseline."""
-    head = ["model", "family", "nodes", "params", "unplanned peak MiB", "min budget MiB (Δ vs baseline)", *budgets]
+    head = ["model", "family", "nodes", "params", "unplanned peak MiB", "min budget MiB (Δ vs baseline)", *budgets, "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if r.error:
@@ -380,7 +385,7 @@ def render_markdown(results: Sequence[ModelResult], budgets: Sequence[str],
             minimum += f" ({(r.min_budget_bytes - old) / old:+.1%})"
         cells = {b.budget: _cell(b) for b in r.budgets}
         lines.append(f"| {r.model} | {r.family} | {r.nodes} | {r.params:,} | {_mib(r.unplanned_peak_bytes)} | {minimum} | "
-                     + " | ".join(cells.get(b, "-") for b in budgets) + " |")
+                     + " | ".join(cells.get(b, "-") for b in budgets) + f" | {r.wall_s or 0:.0f} |")
     details = [f"- {r.model} at {b.budget}: {b.detail}" for r in results for b in r.budgets if b.status == FAIL]
     return "\n".join(lines + ([""] + details if details else []))
 
