@@ -298,11 +298,62 @@ def _run_budget(prepared: PreparedCase, result: ModelResult, label: str, referen
     return outcome
 
 
+def _case_worker(name: str, budgets: Sequence[str], steps: int, passes: Sequence[str], events) -> None:
+    """Child-process body: run case ``name``, report each budget and then the result on ``events``."""
+    (case,) = zoo_cases(only=[name])
+    result = run_case(case, budgets=budgets, steps=steps, passes=passes,
+                      on_budget=lambda label: events.put(("budget", label)))
+    events.put(("result", dataclasses.asdict(result)))
+
+
+def _result_from_row(row: Mapping[str, Any]) -> ModelResult:
+    budgets = [BudgetResult(**b) for b in row["budgets"]]
+    return ModelResult(**{**row, "budgets": budgets})
+
+
+def run_case_isolated(case: ZooCase, *, budgets: Sequence[str], steps: int, passes: Sequence[str],
+                      on_budget: Callable[[str], None] | None = None) -> ModelResult:
+    """:func:`run_case` in a child process of its own, so that one model's memory (VGG-19 with
+    AdamW holds 2.3 GB of state, in several copies) is returned before the next starts, and a
+    case that dies (out of memory) is a failed row instead of the end of the run."""
+    import multiprocessing
+    import queue
+
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    worker = context.Process(target=_case_worker, args=(case.name, tuple(budgets), steps, tuple(passes), events),
+                             name=f"zoo-{case.name}")
+    worker.start()
+    try:
+        while True:
+            try:
+                kind, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                if not worker.is_alive():
+                    worker.join()
+                    cause = " (killed: out of memory?)" if worker.exitcode == -9 else ""
+                    return ModelResult(case.name, case.family,
+                                       error=f"the worker process died with exit code {worker.exitcode}{cause}")
+                continue
+            if kind == "budget":
+                if on_budget:
+                    on_budget(payload)
+            else:
+                worker.join()
+                return _result_from_row(payload)
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
 def run_zoo(cases: Sequence[ZooCase], *, budgets: Sequence[str] = ZOO_BUDGETS, steps: int = DEFAULT_STEPS,
             passes: Sequence[str] = ("swap",), progress: bool = True) -> list[ModelResult]:
-    """Run every case; a progress bar (one tick per model and budget) unless ``progress`` is false."""
+    """Run every case, each in its own process; a progress bar (one tick per model and budget)
+    unless ``progress`` is false."""
+    options = {"budgets": budgets, "steps": steps, "passes": passes}
     if not progress:
-        return [run_case(c, budgets=budgets, steps=steps, passes=passes) for c in cases]
+        return [run_case_isolated(c, **options) for c in cases]
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("[bold]zoo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[what]}"),
@@ -317,7 +368,7 @@ def run_zoo(cases: Sequence[ZooCase], *, budgets: Sequence[str] = ZOO_BUDGETS, s
             def on_budget(label: str, name=case.name) -> None:
                 bar.update(task, advance=1, what=f"{name} at {label}")
 
-            results.append(run_case(case, budgets=budgets, steps=steps, passes=passes, on_budget=on_budget))
+            results.append(run_case_isolated(case, on_budget=on_budget, **options))
             bar.update(task, completed=done_before + len(budgets) + 1)
     return results
 
