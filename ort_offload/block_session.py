@@ -96,13 +96,14 @@ class BlockSession:
 
 def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False) -> ort.SessionOptions:
     options = ort.SessionOptions()
-    # Basic optimizations only (constant folding, redundant nodes). Extended/all fuse patterns
-    # of nodes (layer norm, GELU, MatMul+Add...) into kernels that round differently, and a
-    # block cut through a pattern leaves it unfused: the numbers would depend on where blocks
-    # are cut. With basic, every node computes the same in any block, so plans are bitwise
-    # equal to the unplanned run by construction (gpt small, 2 cores: 169 ms/step vs 161 ms
-    # with all optimizations, one whole-graph session each).
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    # No graph optimizations: every node computes the same in any block, so plans are bitwise
+    # equal to the unplanned run by construction. Even the basic level fuses patterns across
+    # nodes (MatMul+Add, Div+Mul, Conv+Add...) into kernels that round differently, and a block
+    # cut through a pattern leaves it unfused: alexnet from the onnx light zoo at a 0.3x budget
+    # (25 blocks) gave a first loss 1.1e-5 off the unplanned one with basic, identical with none.
+    # Cost, 2 cores, one whole-graph session each: gpt small 201-209 ms/step basic vs 207-217
+    # none, cnn small 294 vs 286-290 (basic vs all: 169 vs 161 ms measured earlier).
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = 3
     # Bitwise-reproducible steps: without it, multi-threaded reductions (e.g. the embedding
