@@ -5,8 +5,9 @@ node indices, producer first), the split of each (:class:`~graph_passes.split_ru
 from :mod:`graph_passes.split_rules`) and the number of micro-ops ``p``. The pass replaces the
 run by
 
-- one ``Split`` node per input read from outside the run (sizes as ``numpy.array_split``), so
-  the input's ``p`` pieces are separate graph values;
+- for each input read from outside the run, its ``p`` pieces as separate graph values (sizes
+  as ``numpy.array_split``): a ``Slice`` right before each micro-op, or one ``Split`` before
+  the first (:class:`Cut`);
 - ``p`` rounds of micro-ops, round ``i`` running every node of the run on piece ``i`` (each
   later node reads the previous node's micro-output directly: a run is split once at its start
   and merged once at its end, with no merge in between), so each input piece dies right after
@@ -30,6 +31,7 @@ graph is topologically sorted, every graph output is produced, and no original r
 from __future__ import annotations
 
 import dataclasses
+import enum
 import heapq
 import logging
 from typing import Mapping
@@ -54,6 +56,20 @@ PASS_NAME = "split"
 PASS_KEY = "ort_offload.pass"
 SOURCE_KEY = "ort_offload.splits"
 REASON_KEY = "ort_offload.reason"
+
+
+class Cut(enum.Enum):
+    """How an input read from outside a run is cut. ``SLICE``: one ``Slice`` right before each
+    micro-op; the input lives until the last one, each piece only for its micro-op (peak about
+    A·(1 + 2/p) for an input of A bytes and a same-size output under liveness). ``SPLIT``: one
+    ``Split`` before the first micro-op; the input dies there, but input and pieces are live
+    together at the Split (2A) unless the runtime makes it a view."""
+
+    SLICE = "slice"
+    SPLIT = "split"
+
+
+DEFAULT_CUT = Cut.SLICE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +161,8 @@ def _check_extents(node: onnx.NodeProto, index: int, option: SplitOption, infos:
                 f"{_label(node, index)}: {name!r} has {infos[name].shape[axis]} on axis {axis}, the split {option.extent}")
 
 
-def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, TensorInfo]) -> tuple[onnx.ModelProto, int]:
+def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, TensorInfo], *,
+                     cut: Cut = DEFAULT_CUT) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with the plan applied; returns it and the number of micro-ops."""
     resolved = resolve_plan(model, plan, infos)
     nodes = list(model.graph.node)
@@ -158,7 +175,7 @@ def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str
     removed: set[int] = set()
     micro_ops = 0
     for number, item in enumerate(resolved):
-        group = _GroupWriter(number, item, nodes, infos, graph_outputs, readers)
+        group = _GroupWriter(number, item, nodes, infos, graph_outputs, readers, cut=cut)
         replaced[item.run.nodes[-1]] = group.write()
         removed.update(item.run.nodes)
         micro_ops += item.run.parts * len(item.run.nodes)
@@ -182,7 +199,7 @@ def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str
 class _GroupWriter:
     """The nodes replacing one run."""
 
-    def __init__(self, number, item: _Resolved, nodes, infos, graph_outputs, readers) -> None:
+    def __init__(self, number, item: _Resolved, nodes, infos, graph_outputs, readers, *, cut: Cut) -> None:
         self.tag = f"__sp{number}"
         self.item = item
         self.nodes = nodes
@@ -190,7 +207,9 @@ class _GroupWriter:
         self.graph_outputs = graph_outputs
         self.readers = readers
         self.out: list[onnx.NodeProto] = []
-        self.pieces: dict[tuple[str, int], list[str]] = {}  # (value, axis) -> piece names
+        self.cut = cut
+        self.pieces: dict[tuple[str, int], dict[int, str]] = {}  # (value, axis) -> piece names
+        self.constants: dict[tuple, object] = {}
         self.sizes_name = None
 
     def _add(self, node: onnx.NodeProto, reason: str) -> None:
@@ -203,17 +222,42 @@ class _GroupWriter:
                                         value=onnx.numpy_helper.from_array(array, name)), reason)
         return name
 
-    def _pieces_of(self, name: str, axis: int) -> list[str]:
+    def _piece(self, name: str, axis: int, i: int) -> str:
+        """Piece ``i`` of an input read from outside the run, cut on first request."""
         key = (name, axis)
-        if key not in self.pieces:
+        pieces = self.pieces.setdefault(key, {})
+        if i in pieces:
+            return pieces[i]
+        parts, sizes = self.item.run.parts, self.item.sizes
+        if self.cut is Cut.SPLIT:
             if self.sizes_name is None:
-                self.sizes_name = self._constant(f"split_sizes{self.tag}", np.asarray(self.item.sizes, np.int64),
+                self.sizes_name = self._constant(f"split_sizes{self.tag}", np.asarray(sizes, np.int64),
                                                  "piece sizes of the split")
-            pieces = [f"{name}{self.tag}_a{axis}_{i}" for i in range(self.item.run.parts)]
-            self._add(onnx.helper.make_node("Split", [name, self.sizes_name], pieces, name=f"{name}{self.tag}_split",
-                                            axis=axis), f"cut {name} into {len(pieces)} pieces on axis {axis}")
-            self.pieces[key] = pieces
-        return self.pieces[key]
+            names = [f"{name}{self.tag}_a{axis}_{k}" for k in range(parts)]
+            self._add(onnx.helper.make_node("Split", [name, self.sizes_name], names, name=f"{name}{self.tag}_split",
+                                            axis=axis), f"cut {name} into {parts} pieces on axis {axis}")
+            pieces.update(enumerate(names))
+            return pieces[i]
+        bounds = self._bounds(i)
+        if (axis, "axes") not in self.constants:
+            self.constants[(axis, "axes")] = self._constant(f"axis{self.tag}_a{axis}", np.asarray([axis], np.int64),
+                                                            "axis of the split")
+        axes = self.constants[(axis, "axes")]
+        pieces[i] = f"{name}{self.tag}_a{axis}_{i}"
+        self._add(onnx.helper.make_node("Slice", [name, *bounds, axes], [pieces[i]], name=f"{pieces[i]}_slice"),
+                  f"piece {i} of {parts} of {name} on axis {axis}")
+        return pieces[i]
+
+    def _bounds(self, i: int) -> tuple[str, str]:
+        """Constants holding the start and end of piece ``i`` (shared by every sliced input)."""
+        if ("bounds", i) not in self.constants:
+            start = sum(self.item.sizes[:i])
+            self.constants[("bounds", i)] = (
+                self._constant(f"start{self.tag}_{i}", np.asarray([start], np.int64), f"start of piece {i}"),
+                self._constant(f"end{self.tag}_{i}", np.asarray([start + self.item.sizes[i]], np.int64),
+                               f"end of piece {i}"),
+            )
+        return self.constants[("bounds", i)]
 
     def write(self) -> list[onnx.NodeProto]:
         run, parts, sizes = self.item.run, self.item.run.parts, self.item.sizes
@@ -225,7 +269,7 @@ class _GroupWriter:
                 source = self.nodes[index]
                 node = onnx.NodeProto()
                 node.CopyFrom(source)
-                node.name = f"{source.name or source.op_type}{self.tag}_{i}"
+                node.name = f"{source.name or f'{source.op_type}{index}'}{self.tag}_{i}"
                 if option.op_type:
                     node.op_type = option.op_type
                 for attr_name, value in option.attributes:
@@ -238,7 +282,7 @@ class _GroupWriter:
                         continue
                     if isinstance(part, SliceOn):
                         produced = next((micro[(p, name)] for p in range(position) if (p, name) in micro), None)
-                        node.input[k] = (produced or self._pieces_of(name, part.axis))[i]
+                        node.input[k] = produced[i] if produced else self._piece(name, part.axis, i)
                     elif isinstance(part, MicroShape):
                         shape = list(part.shape)
                         shape[part.axis] = sizes[i]
@@ -317,10 +361,11 @@ def _is_split_node(node: onnx.NodeProto) -> bool:
 class SplitPass(onnx_ir.passes.FunctionalPass):
     """Write ``plan`` (runs of this graph's nodes) into the graph; ``infos`` are the shapes."""
 
-    def __init__(self, plan: SplitPlan, infos: Mapping[str, TensorInfo]) -> None:
+    def __init__(self, plan: SplitPlan, infos: Mapping[str, TensorInfo], *, cut: Cut = DEFAULT_CUT) -> None:
         super().__init__()
         self.plan = plan
         self.infos = infos
+        self.cut = cut
         self.micro_ops = 0
         self._originals: list[str] = []
 
@@ -333,7 +378,7 @@ class SplitPass(onnx_ir.passes.FunctionalPass):
         self._originals = [o for r in self.plan.runs for i in r.nodes for o in proto.graph.node[i].output if o]
 
     def call(self, model: ir.Model) -> onnx_ir.passes.PassResult:
-        proto, self.micro_ops = write_split_plan(ir.to_proto(model), self.plan, self.infos)
+        proto, self.micro_ops = write_split_plan(ir.to_proto(model), self.plan, self.infos, cut=self.cut)
         return onnx_ir.passes.PassResult(ir.from_proto(proto), modified=self.micro_ops > 0)
 
     def ensures(self, model: ir.Model) -> None:
@@ -353,4 +398,4 @@ class SplitPass(onnx_ir.passes.FunctionalPass):
             raise onnx_ir.passes.PostconditionError(f"split nodes {left[:3]} are still in the graph")
 
 
-__all__ = ["SplitPass", "SplitPlan", "SplitRun", "resolve_plan", "write_split_plan"]
+__all__ = ["Cut", "DEFAULT_CUT", "SplitPass", "SplitPlan", "SplitRun", "resolve_plan", "write_split_plan"]

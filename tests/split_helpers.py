@@ -64,8 +64,8 @@ def keys_of(model: onnx.ModelProto, node_index: int, infos) -> list[SplitAxis]:
     return [o.key for o in split_options(NodeInfo.of(node, infos, constant_values(model)))]
 
 
-def split_model(model: onnx.ModelProto, plan: SplitPlan, infos) -> onnx.ModelProto:
-    result = SplitPass(plan, infos)(ir.from_proto(model))
+def split_model(model: onnx.ModelProto, plan: SplitPlan, infos, **options) -> onnx.ModelProto:
+    result = SplitPass(plan, infos, **options)(ir.from_proto(model))
     assert result.modified
     rewritten = ir.to_proto(result.model)
     onnx.checker.check_model(rewritten)
