@@ -22,6 +22,9 @@ an early run output before the run ended moves behind the merge). Every inserted
 ``ort_offload.pass`` = ``split``; micro-ops also ``ort_offload.splits`` = the original node,
 the others ``ort_offload.reason``.
 
+Piece bounds and per-micro-op shapes are constants: the rewritten graph is specialized to the
+input signature ``infos`` describe (plans are made per signature, as Mimose's are per input size).
+
 ``requires``: every run node has a split rule with the requested axis; ``p`` fits the split
 dimension; runs are disjoint and each later node of a run reads an earlier one's output only
 as micro-tensors (Concat axis of the producer = slice axis of the consumer). ``ensures``: the
@@ -286,7 +289,7 @@ class _GroupWriter:
                     elif isinstance(part, MicroShape):
                         shape = list(part.shape)
                         shape[part.axis] = sizes[i]
-                        node.input[k] = self._constant(f"{name}{self.tag}_{i}", np.asarray(shape, np.int64),
+                        node.input[k] = self._constant(f"{name}{self.tag}_p{position}_{i}", np.asarray(shape, np.int64),
                                                        f"shape of micro-op {i}")
                     elif isinstance(part, Carry):
                         if i:
