@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from graph_passes.liveness import lifetimes
 from graph_passes.split_pass import PASS_KEY, SOURCE_KEY, Cut, SplitPass, SplitPlan, SplitRun, write_split_plan
-from graph_passes.split_rules import CHAIN, CONCAT, SUM, SplitAxis, UnsplittableOpError
+from graph_passes.split_rules import CHAIN, CONCAT, SUM, NodeInfo, SplitAxis, UnsplittableOpError, split_options
 from split_helpers import (
     IR_VERSION, OPSET, assert_split_matches, infos_for, max_relative_diff, run, single_op_model, split_model,
 )
@@ -216,10 +216,26 @@ def test_random_elementwise_broadcasts_split_on_any_axis_are_exact(shape, data):
     assert_split_matches(model, feeds, 0, SplitAxis(CONCAT, axis), parts)
 
 
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(2, 9), k=st.integers(2, 9), n=st.integers(2, 9), batch=st.integers(1, 3), data=st.data())
+def test_random_matmuls_split_on_any_axis_match(m, k, n, batch, data):
+    feeds = {"a": RNG.standard_normal((batch, m, k)).astype(np.float32),
+             "b": RNG.standard_normal((k, n)).astype(np.float32)}
+    model = single_op_model("MatMul", feeds)
+    infos = infos_for(model, feeds)
+    options = [o for o in split_options(NodeInfo.of(model.graph.node[0], infos)) if o.extent >= 2]
+    option = data.draw(st.sampled_from(options))
+    parts = data.draw(st.integers(2, option.extent))
+    assert_split_matches(model, feeds, 0, option.key, parts, infos=infos, exact_concat=False)
+
+
 # --- real exported training steps ------------------------------------------------------------
 
 def _node_index(model, predicate) -> int:
     return next(i for i, n in enumerate(model.graph.node) if predicate(n))
+
+
+STEP_RTOL = 1e-5
 
 
 def _assert_same_step(model, rewritten, feeds, *, exact: bool):
@@ -229,7 +245,9 @@ def _assert_same_step(model, rewritten, feeds, *, exact: bool):
         if exact or not np.issubdtype(value.dtype, np.floating):
             np.testing.assert_array_equal(got[name], value, err_msg=name)
         else:
-            assert max_relative_diff(got[name], value) <= 1e-6, name
+            # DESIGN's contract for split: reordered reductions, 1e-5 relative over a whole step
+            # (a reordered sum early in the step reaches every gradient; Adam squares them).
+            assert max_relative_diff(got[name], value) <= STEP_RTOL, name
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +294,13 @@ def test_cnn_step_with_split_convolutions_gives_the_same_outputs_in_stock_onnxru
     convs = [i for i, n in enumerate(model.graph.node) if n.op_type == "Conv"]
     forward_conv, weight_grad_conv = convs[0], convs[-1]  # the last Conv is a weight gradient
     assert infos[model.graph.node[weight_grad_conv].input[0]].shape[1] == infos["x"].shape[0]  # batch = in-channels
-    plan = SplitPlan((SplitRun((forward_conv,), (SplitAxis(CONCAT, 0),), 2),
+    # A run: the first Conv on the batch, chained into the batch-norm mean over (N, H, W) that
+    # reads it (Sum merge, scaled): Conv merged only for its other readers.
+    batch_mean = _node_index(model, lambda n: n.op_type == "ReduceMean"
+                             and n.input[0] == model.graph.node[forward_conv].output[0])
+    plan = SplitPlan((SplitRun((forward_conv, batch_mean), (SplitAxis(CONCAT, 0), SplitAxis(SUM, 0)), 2),
                       SplitRun((conv_transpose,), (SplitAxis(CONCAT, 0),), 3),
                       SplitRun((weight_grad_conv,), (SplitAxis(SUM, 1),), 2)))
     rewritten = split_model(model, plan, infos)
-    assert len(_micro_ops(rewritten)) == 7
+    assert len(_micro_ops(rewritten)) == 9
     _assert_same_step(model, rewritten, feeds, exact=False)
