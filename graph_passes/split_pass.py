@@ -121,6 +121,7 @@ def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, Te
         if any(not 0 <= i < len(nodes) for i in run.nodes):
             raise UnsplittableOpError(f"split run names nodes {run.nodes} outside the graph")
         options = []
+        run_outputs = {o for i in run.nodes for o in nodes[i].output if o}
         produced: dict[str, Merge] = {}  # run output -> how it merges
         extent = None
         for position, (index, key) in enumerate(zip(run.nodes, run.axes)):
@@ -133,6 +134,9 @@ def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, Te
             _check_extents(node, index, option, infos)
             chained = False
             for name, part in zip(node.input, option.inputs):
+                if name in run_outputs and name not in produced:
+                    raise UnsplittableOpError(
+                        f"run node {_label(node, index)} reads {name!r} of a later run node: list a run producer first")
                 if name in produced:
                     merge = produced[name]
                     if not (merge.kind == CONCAT and isinstance(part, SliceOn) and part.axis == merge.axis):

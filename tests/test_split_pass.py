@@ -172,6 +172,7 @@ def test_plans_that_do_not_fit_the_graph_are_refused():
     # The consumer reads the micro-tensors on another axis: not one run.
     refused(SplitPlan((SplitRun((0, 1), (SplitAxis(CONCAT, 0), SplitAxis(CONCAT, 1)), 2),)), "a dimension of 6")
     refused(SplitPlan((SplitRun((1, 5), (SplitAxis(CONCAT, 0),) * 2, 2),)), "reads no micro-tensor")
+    refused(SplitPlan((SplitRun((1, 0), (SplitAxis(CONCAT, 0),) * 2, 2),)), "list a run producer first")
     refused(SplitPlan((SplitRun((0,), (SplitAxis(CONCAT, 0),), 2), SplitRun((0, 1), (SplitAxis(CONCAT, 0),) * 2, 2))),
             "overlap")
     with pytest.raises(ValueError):
