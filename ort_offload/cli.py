@@ -393,9 +393,10 @@ def _inspect(args) -> int:
 
 
 def _zoo(args) -> int:
-    from ort_offload.errors import OffloadError
-    from ort_offload.trainer import resolve_passes
     from ort_offload import zoo
+    from ort_offload.errors import OffloadError
+    from ort_offload.report import atomic_write_text
+    from ort_offload.trainer import resolve_passes
 
     _check_outputs_writable(args.json_path, args.markdown_path)
     if args.steps < 1:
@@ -417,7 +418,7 @@ def _zoo(args) -> int:
     table = zoo.render_markdown(results, budgets, baseline)
     print(table)
     if args.markdown_path:
-        zoo.write_text_atomic(args.markdown_path, table + "\n")
+        atomic_write_text(args.markdown_path, table + "\n")
     if args.json_path:
         zoo.write_results(args.json_path, results, budgets=budgets, steps=args.steps, passes=passes)
     found = zoo.regressions(results, baseline)

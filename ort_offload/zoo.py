@@ -33,6 +33,7 @@ import onnx
 
 from ort_offload.budget import format_bytes
 from ort_offload.errors import BudgetTooSmallError, OffloadError
+from ort_offload.report import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -100,28 +101,36 @@ def _numpy_feeds(names: Sequence[str], tensors: Iterable) -> dict[str, np.ndarra
     return {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)}
 
 
+def _prepared(module, *, loss_fn, make_batch: Callable[[int], tuple], input_names, target_names,
+              dynamic_axes=None, name: str, steps: int) -> PreparedCase:
+    """Export ``module``'s training step (AdamW) and draw ``steps`` batches (seeds 0, 1, ...)."""
+    from ort_offload import optimizers
+    from ort_offload.export import export_training_step, initial_state
+
+    optimizer = optimizers.make_optimizer("adamw")
+    inputs, targets = make_batch(0)
+    graph = export_training_step(
+        module, example_inputs=inputs, example_targets=targets, loss_fn=loss_fn, optimizer=optimizer,
+        input_names=input_names, target_names=target_names, dynamic_axes=dynamic_axes, name=name,
+    ).graph
+    names = (*input_names, *target_names)
+    batches = []
+    for step in range(steps):
+        inputs, targets = make_batch(step)
+        batches.append(_numpy_feeds(names, (*inputs, *targets)))
+    params = sum(p.numel() for p in module.parameters())
+    return PreparedCase(graph, initial_state(graph, module, lr=optimizer.lr), batches, params)
+
+
 def _light_case(name: str) -> Callable[[int], PreparedCase]:
     def build(steps: int) -> PreparedCase:
         from models.onnx_zoo import build_light_model, check_reference
         from models.registry import classification_loss
-        from ort_offload import optimizers
-        from ort_offload.export import export_training_step, initial_state
 
         check_reference(name)
         light = build_light_model(name)
-        optimizer = optimizers.make_optimizer("adamw")
-        graph = export_training_step(
-            light.module, example_inputs=light.example_inputs, example_targets=light.example_targets,
-            loss_fn=classification_loss, optimizer=optimizer, input_names=light.input_names,
-            target_names=light.target_names, name=name,
-        ).graph
-        names = (*light.input_names, *light.target_names)
-        batches = []
-        for step in range(steps):
-            inputs, targets = light.make_batch(seed=step)
-            batches.append(_numpy_feeds(names, (*inputs, *targets)))
-        params = sum(p.numel() for p in light.module.parameters())
-        return PreparedCase(graph, initial_state(graph, light.module, lr=optimizer.lr), batches, params)
+        return _prepared(light.module, loss_fn=classification_loss, make_batch=lambda seed: light.make_batch(seed=seed),
+                         input_names=light.input_names, target_names=light.target_names, name=name, steps=steps)
 
     return build
 
@@ -129,24 +138,11 @@ def _light_case(name: str) -> Callable[[int], PreparedCase]:
 def _our_case(model: str, config: str) -> Callable[[int], PreparedCase]:
     def build(steps: int) -> PreparedCase:
         from models import get_model
-        from ort_offload import optimizers
-        from ort_offload.export import export_training_step, initial_state
 
         spec = get_model(model, config)
-        optimizer = optimizers.make_optimizer("adamw")
-        inputs, targets = spec.make_batch(seed=0)
-        graph = export_training_step(
-            spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn,
-            optimizer=optimizer, input_names=spec.input_names, target_names=spec.target_names,
-            dynamic_axes=spec.dynamic_axes, name=f"{model}-{config}",
-        ).graph
-        names = (*spec.input_names, *spec.target_names)
-        batches = []
-        for step in range(steps):
-            inputs, targets = spec.make_batch(seed=step)
-            batches.append(_numpy_feeds(names, (*inputs, *targets)))
-        params = sum(p.numel() for p in spec.model.parameters())
-        return PreparedCase(graph, initial_state(graph, spec.model, lr=optimizer.lr), batches, params)
+        return _prepared(spec.model, loss_fn=spec.loss_fn, make_batch=lambda seed: spec.make_batch(seed=seed),
+                         input_names=spec.input_names, target_names=spec.target_names,
+                         dynamic_axes=spec.dynamic_axes, name=f"{model}-{config}", steps=steps)
 
     return build
 
@@ -458,16 +454,4 @@ def write_results(path: str | os.PathLike, results: Sequence[ModelResult], *, bu
     """Write the run as JSON atomically (temporary file, then rename)."""
     payload = {"budgets": list(budgets), "steps": steps, "passes": list(passes),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "models": result_rows(results)}
-    return write_text_atomic(path, json.dumps(payload, indent=2))
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write_text(path, json.dumps(payload, indent=2))
