@@ -13,6 +13,8 @@ import dataclasses
 import enum
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -35,6 +37,9 @@ class Role(str, enum.Enum):
     ACTIVATION = "activation"
     LOSS = "loss"
 
+
+# Initializer bytes from which a graph is saved with external data (protobuf's limit is 2 GiB).
+EXTERNAL_DATA_BYTES = 1 << 30
 
 # Roles whose values persist across steps (resident state of the trainer).
 STATE_ROLES = frozenset({Role.PARAM, Role.OPTIMIZER_STATE, Role.BUFFER})
@@ -110,15 +115,32 @@ class TrainingGraph:
             model.metadata_props.add(key=key, value=props[key])
         return model
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the graph atomically (temporary file, then rename)."""
+    def save(self, path: str | os.PathLike, *, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> Path:
+        """Write the graph atomically (temporary files, then renames).
+
+        When its initializers hold ``external_data_bytes`` or more (protobuf cannot serialize
+        2 GiB), they go to ``<name>.data`` beside the file, as ONNX external data.
+        """
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        model = self.with_metadata()
+        data_bytes = sum(len(t.raw_data) or 4 * len(t.float_data) for t in model.graph.initializer)
+        if data_bytes < external_data_bytes:
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            try:
+                onnx.save_model(model, tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return path
+        data_name = f"{path.name}.data"
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
-            onnx.save_model(self.with_metadata(), tmp)
-            os.replace(tmp, path)
+            onnx.save_model(model, tmp_dir / path.name, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+            os.replace(tmp_dir / data_name, path.with_name(data_name))  # the data first: the model points at it
+            os.replace(tmp_dir / path.name, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         return path
 
     @classmethod

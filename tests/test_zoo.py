@@ -1,5 +1,6 @@
 """The model-zoo regression (``ort-offload zoo``): the quick subset end to end, the minimum
-budget, baselines and regressions, and bad input to ``transform`` (exit 2, no output file)."""
+budget, baselines and regressions, bad input to ``transform`` (exit 2, no output file), and large
+graphs saved with external data."""
 
 from __future__ import annotations
 
@@ -122,3 +123,26 @@ def test_transform_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys):
                    "--input", "y=4", "--report", tmp_path / "r.json") == 2
     assert "needs with swapping" in capsys.readouterr().err
     assert not too_small.exists() and not (tmp_path / "r.json").exists()
+
+
+def test_large_graphs_are_saved_with_external_data_atomically(tmp_path):
+    import numpy as np
+    from onnx import numpy_helper
+
+    from graph_passes.training_graph import TrainingGraph
+    from graph_passes.validate import load_model
+
+    weight = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+                          initializer=[numpy_helper.from_array(weight, "w")])
+    path = tmp_path / "big.onnx"
+    TrainingGraph.from_model(oh.make_model(graph)).save(path, external_data_bytes=1000)
+    assert (tmp_path / "big.onnx.data").stat().st_size == weight.nbytes
+    assert path.stat().st_size < weight.nbytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]  # no temporaries left
+    np.testing.assert_array_equal(numpy_helper.to_array(load_model(path).graph.initializer[0]), weight)
+    small = tmp_path / "small.onnx"  # below the threshold: one self-contained file
+    TrainingGraph.from_model(oh.make_model(graph)).save(small)
+    assert not (tmp_path / "small.onnx.data").exists()
