@@ -55,7 +55,19 @@ def test_list_configs_has_tiny_and_small(name):
 
 
 def test_package_exports():
-    assert {"ModelSpec", "UnknownModelError", "get_model", "list_configs", "list_models"} <= set(models.__all__)
+    assert set(models.__all__) == {
+        "ModelSpec",
+        "UnknownModelError",
+        "get_model",
+        "list_configs",
+        "list_models",
+        # the dynamic zoo (tests/test_dynamic_models.py)
+        "DynamicModelSpec",
+        "MixedPathError",
+        "get_dynamic_model",
+        "list_dynamic_configs",
+        "list_dynamic_models",
+    }
     assert issubclass(UnknownModelError, ValueError)
 
 
