@@ -4,9 +4,9 @@ Owns the public entry points re-exported from :mod:`models.registry`: :func:`get
 :class:`ModelSpec` (module, loss, I/O names, dynamic axes, batch generator) by registry name —
 ``bert``, ``cnn``, ``gpt``, ``lstm``, ``mlp`` — and named config (``tiny``, ``small``).
 
-Also re-exports the dynamic zoo of :mod:`models.dynamic`: :func:`get_dynamic_model` builds a :class:`DynamicModelSpec` — ``var-bert``, ``fixed-bert``,
-``moe``, ``tree-lstm``, ``var-lstm``, ``fixed-lstm`` — whose model exposes ``blocks()`` and
-``path(ids)``. Depends on torch only.
+Also re-exports the dynamic zoo of :mod:`models.dynamic`: :func:`get_dynamic_model` builds a
+:class:`DynamicModelSpec` — ``var-bert``, ``fixed-bert``, ``moe``, ``tree-lstm``, ``var-lstm``,
+``fixed-lstm`` — whose model exposes ``blocks()`` and ``path(ids)``. Depends on torch only.
 """
 
 from models.dynamic import DynamicModelSpec, get_dynamic_model, list_dynamic_configs, list_dynamic_models

@@ -157,7 +157,9 @@ class MoETransformer(nn.Module):
         """Block indices of the forward on ``ids[B, S]``: attention, expert, per layer."""
         expert = self.expert_of(ids)
         stride = self.config.experts + 1
-        return tuple(index for layer in range(self.config.layers) for index in (layer * stride, layer * stride + 1 + expert))
+        return tuple(
+            index for layer in range(self.config.layers) for index in (layer * stride, layer * stride + 1 + expert)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids[B, S]`` int64 -> class logits ``[B, classes]``."""

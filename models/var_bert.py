@@ -69,7 +69,9 @@ class DepthBERTConfig:
         if self.seq < self.segments:
             raise ValueError(f"DepthBERTConfig.seq ({self.seq}) must be >= segments ({self.segments})")
         if not 1 <= self.classes <= self.vocab - 1:
-            raise ValueError(f"DepthBERTConfig.classes must be in [1, vocab - 1 = {self.vocab - 1}], got {self.classes}")
+            raise ValueError(
+                f"DepthBERTConfig.classes must be in [1, vocab - 1 = {self.vocab - 1}], got {self.classes}"
+            )
 
     @property
     def layers_per_segment(self) -> int:
