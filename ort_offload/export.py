@@ -35,6 +35,8 @@ from ort_offload import optimizers
 from ort_offload.errors import ExportError, InputMismatchError
 
 logger = logging.getLogger(__name__)
+# torch's ONNX exporter warns once per process that torchvision (which we do not use) is missing.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 OPSET_VERSION = 20
 EXPORTER_VERSION = "6"  # bump when the exported graph's layout changes: invalidates caches
