@@ -334,10 +334,18 @@ def split_step(step: VJPStep) -> SplitStep:
         source = f"{name}.forward"
         renamed[name] = source
         passthrough.append(onnx.helper.make_node("Identity", [source], [name], name=f"split/passthrough/{name}"))
+    initializer_protos = list(graph.initializer)
     if renamed:
-        nodes = [_rename_node_io(node, renamed) for node in nodes]
-        if any(n in renamed for n in graph_inputs) or any(n in renamed for n in initializers):
+        if any(n in renamed for n in graph_inputs):
             raise ExportError("a gradient output of the step aliases one of its inputs")
+        nodes = [_rename_node_io(node, renamed) for node in nodes]
+        for i, tensor in enumerate(initializer_protos):
+            if tensor.name in renamed:  # a gradient folded into a constant (a zero gradient)
+                copy = onnx.TensorProto()
+                copy.CopyFrom(tensor)
+                copy.name = renamed[tensor.name]
+                initializer_protos[i] = copy
+        initializers = {t.name for t in initializer_protos}
 
     constants = set(initializers)
     tainted = set(step.dy_inputs)
@@ -386,7 +394,7 @@ def split_step(step: VJPStep) -> SplitStep:
         needed_consts = _constant_closure(part_nodes, const_nodes)
         body = needed_consts + list(part_nodes)
         reads = {n for node in body for n in consumed_names(node)}
-        inits = [t for t in graph.initializer if t.name in reads]
+        inits = [t for t in initializer_protos if t.name in reads]
         boundary = set(inputs) | set(outputs)
         internal = [types[o] for node in body for o in node.output if o in types and o not in boundary]
         g = onnx.helper.make_graph(
