@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -125,6 +126,8 @@ def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any] | None, what: str
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):
             raise ExportError(f"argument {i} of {what} is a {type(a).__name__}; blocks take tensor arguments only")
+        if a.device.type != "cpu":
+            raise InputMismatchError(f"argument {i} of {what} is on {a.device}; block-wise training takes CPU tensors")
 
 
 def block_cache_key(block: torch.nn.Module, args: Sequence[torch.Tensor]) -> str:
@@ -541,7 +544,8 @@ class BlockStepCache:
         self.disk_hits = 0
         self.memory_hits = 0
         self.export_times_s: list[float] = []
-        self._structure: dict[tuple[int, bool], str] = {}
+        # Structure hash per live block and training mode (weak: a freed block's id may be reused).
+        self._structure: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, str]] = weakref.WeakKeyDictionary()
 
     @property
     def compiled(self) -> int:
@@ -549,12 +553,13 @@ class BlockStepCache:
         return len(self.steps)
 
     def get(self, block: torch.nn.Module, args: Sequence[torch.Tensor]) -> CompiledStep:
-        struct = self._structure.get((id(block), block.training))
+        per_mode = self._structure.setdefault(block, {})
+        struct = per_mode.get(block.training)
         if struct is None:
             struct = hashlib.sha256(
                 json.dumps(_structure_fingerprint(block, None), sort_keys=True, default=str).encode()
             ).hexdigest()
-            self._structure[(id(block), block.training)] = struct
+            per_mode[block.training] = struct
         key = hashlib.sha256(json.dumps([struct, _signature_of(args)]).encode()).hexdigest()[:24]
         compiled = self.steps.get(key)
         if compiled is not None:

@@ -105,10 +105,11 @@ def test_sgd_losses_equal_torch(name, cache):
         inputs, targets = spec.make_batch(BATCH, seed=10 + seed, key=key)
         got = trainer.step(*inputs, *targets)
         ref_opt.zero_grad(set_to_none=True)
-        want = spec.loss_fn(ref(*inputs), *targets)
-        want.backward()
+        loss = spec.loss_fn(ref(*inputs), *targets)
+        loss.backward()
         ref_opt.step()
-        assert abs(got - float(want)) <= REL_TOL * abs(float(want)), (seed, got, float(want))
+        want = float(loss.detach())
+        assert abs(got - want) <= REL_TOL * abs(want), (seed, got, want)
     assert len(trainer.losses) == len(KEYS[name])
     for (pname, p), (_, q) in zip(spec.model.named_parameters(), ref.named_parameters(), strict=True):
         assert _rel(p.detach(), q.detach()) <= REL_TOL, pname
@@ -288,6 +289,37 @@ def test_default_blocks_and_zero_gradient_passthrough(cache):
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
 
 
+class _Lookup(nn.Module):
+    """A block with an integer argument (no dx for it) between two floating ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, idx, scale):
+        return self.lin(x + self.table(idx)) * scale, x * scale
+
+
+def test_integer_argument_and_tuple_output(cache):
+    torch.manual_seed(0)
+    block = _Lookup()
+    ref = copy.deepcopy(block)
+    idx = torch.tensor([1, 7, 3])
+    grads = []
+    for module, wrap in ((block, True), (ref, False)):
+        holder = nn.ModuleList([module])
+        if wrap:
+            wrap_blocks(holder, cache=cache)
+        x = torch.linspace(-1, 1, 24).reshape(3, 8).requires_grad_(True)
+        scale = torch.full((3, 1), 0.5, requires_grad=True)
+        a, b = module(x, idx, scale)
+        (a.square().sum() + b.sum()).backward()
+        grads.append([x.grad, scale.grad] + [p.grad for p in module.parameters()])
+    for got, want in zip(*grads, strict=True):
+        assert _rel(got, want) <= REL_TOL
+
+
 def test_unwrap_restores_original_forward(cache):
     spec = get_dynamic_model("var-lstm", "tiny")
     (ids,), _ = spec.make_batch(BATCH, seed=0, key=5)
@@ -312,6 +344,8 @@ def test_errors(cache):
         step(x, x, c=x)
     with pytest.raises(ExportError, match="tensor arguments only"):
         step(x, x, 1.0)
+    with pytest.raises(InputMismatchError, match="CPU tensors"):
+        step(x.to("meta"), x, x)
     with pytest.raises(InputMismatchError, match="already wrapped"):
         wrap_blocks(spec.model, cache=cache)
     unwrap_blocks(spec.model)
