@@ -122,7 +122,9 @@ def _signature_of(args: Sequence[torch.Tensor]) -> tuple:
 
 def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any] | None, what: str) -> None:
     if kwargs:
-        raise ExportError(f"{what} was called with keyword arguments ({', '.join(kwargs)}); blocks take tensors positionally")
+        raise ExportError(
+            f"{what} was called with keyword arguments ({', '.join(kwargs)}); blocks take tensors positionally"
+        )
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor):
             raise ExportError(f"argument {i} of {what} is a {type(a).__name__}; blocks take tensor arguments only")
@@ -241,7 +243,12 @@ def _trace_and_export(block: torch.nn.Module, args: tuple, key: str) -> VJPStep:
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
         return tuple(o.detach() for o in ys) + tuple(grads)
 
-    flat = tuple(a.detach() for a in args) + tuple(p.detach() for _, p in named_params) + tuple(b.detach() for _, b in named_buffers) + dys
+    flat = (
+        tuple(a.detach() for a in args)
+        + tuple(p.detach() for _, p in named_params)
+        + tuple(b.detach() for _, b in named_buffers)
+        + dys
+    )
     try:
         with _export_context():
             traced = make_fx(vjp, decomposition_table=torch._decomp.core_aten_decompositions())(
@@ -275,7 +282,8 @@ def _trace_and_export(block: torch.nn.Module, args: tuple, key: str) -> VJPStep:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
         onnx.checker.check_model(model)
     except Exception as e:
-        raise ExportError(f"the step graph of {type(block).__name__} is not valid ONNX: {str(e).splitlines()[0]}") from e
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ExportError(f"the step graph of {type(block).__name__} is not valid ONNX: {first}") from e
     step = VJPStep(
         model=model, arg_inputs=arg_inputs, param_inputs=param_inputs, buffer_inputs=buffer_inputs,
         dy_inputs=dy_inputs, y_outputs=y_outputs, dx_outputs=dx_outputs, dx_args=dx_args,
@@ -394,7 +402,7 @@ def split_step(step: VJPStep) -> SplitStep:
         types[source].name = source
 
     def part(name: str, part_nodes, inputs, outputs) -> onnx.ModelProto:
-        needed_consts = _constant_closure(part_nodes, const_nodes)
+        needed_consts = _constant_closure(part_nodes, const_nodes, outputs)
         body = needed_consts + list(part_nodes)
         reads = {n for node in body for n in consumed_names(node)}
         inits = [t for t in initializer_protos if t.name in reads]
@@ -406,7 +414,10 @@ def split_step(step: VJPStep) -> SplitStep:
         )
         m = onnx.helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version,
                                    functions=list(model.functions))
-        onnx.checker.check_model(m)
+        try:
+            onnx.checker.check_model(m)
+        except onnx.checker.ValidationError as e:
+            raise ExportError(f"the {name} part of the split step is not valid ONNX: {str(e).splitlines()[0]}") from e
         return m
 
     forward_outputs = list(step.y_outputs) + [n for n in saved if n not in step.y_outputs]
@@ -430,11 +441,12 @@ def _rename_node_io(node: onnx.NodeProto, renamed: Mapping[str, str]) -> onnx.No
     return copy
 
 
-def _constant_closure(part_nodes, const_nodes) -> list[onnx.NodeProto]:
-    """The constant nodes the part needs (transitively), in graph order."""
+def _constant_closure(part_nodes, const_nodes, outputs) -> list[onnx.NodeProto]:
+    """The constant nodes the part's nodes and outputs need (transitively), in graph order."""
     producer = {o: i for i, node in enumerate(const_nodes) for o in node.output if o}
     needed: set[int] = set()
-    stack = [n for node in part_nodes for n in consumed_names(node) if n in producer]
+    reads = [n for node in part_nodes for n in consumed_names(node)] + list(outputs)
+    stack = [n for n in reads if n in producer]
     while stack:
         index = producer[stack.pop()]
         if index not in needed:
@@ -694,7 +706,9 @@ class BlockwiseTrainer:
     def step(self, *batch: torch.Tensor) -> float:
         """One training step on ``(*inputs, *targets)``; returns the loss."""
         if len(batch) <= self.num_inputs:
-            raise InputMismatchError(f"step takes {self.num_inputs} input(s) and at least one target, got {len(batch)} tensors")
+            raise InputMismatchError(
+                f"step takes {self.num_inputs} input(s) and at least one target, got {len(batch)} tensors"
+            )
         inputs, targets = batch[: self.num_inputs], batch[self.num_inputs :]
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(*inputs), *targets)

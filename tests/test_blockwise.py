@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from models import get_dynamic_model
-from models.tree_lstm import ComposeCell
 from models.var_lstm import LSTMStep
 from ort_offload.block_session import default_session_options
 from ort_offload.blockwise import (
