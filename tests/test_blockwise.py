@@ -116,6 +116,24 @@ def test_sgd_losses_equal_torch(name, cache):
     assert all("forward" not in block.__dict__ for block in spec.model.blocks())
 
 
+def test_adamw_steps_equal_torch(cache):
+    spec = get_dynamic_model("var-lstm", "tiny")
+    ref = copy.deepcopy(spec.model)
+    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, optimizer="adamw", lr=1e-2, cache=cache)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for seed, key in enumerate((6, 12, 4)):
+        inputs, targets = spec.make_batch(BATCH, seed=20 + seed, key=key)
+        got = trainer.step(*inputs, *targets)
+        ref_opt.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(ref(*inputs), *targets)
+        loss.backward()
+        ref_opt.step()
+        assert abs(got - float(loss.detach())) <= REL_TOL * abs(float(loss.detach()))
+    for (pname, p), (_, q) in zip(spec.model.named_parameters(), ref.named_parameters(), strict=True):
+        assert _rel(p.detach(), q.detach()) <= REL_TOL, pname
+    trainer.close()
+
+
 def test_each_block_signature_exported_once(tmp_path):
     cache = BlockStepCache(cache_dir=tmp_path)
     spec = get_dynamic_model("var-bert", "tiny")
@@ -139,6 +157,18 @@ def test_each_block_signature_exported_once(tmp_path):
     (ids,), _ = other.make_batch(BATCH, seed=0, key=1)
     other.model(ids).sum().backward()
     assert (fresh.exports, fresh.disk_hits) == (0, 1)
+
+
+def test_moe_exports_once_per_block_structure(tmp_path):
+    """Eight expert blocks and two attention blocks of two structures: two exports in all."""
+    cache = BlockStepCache(cache_dir=tmp_path)
+    spec = get_dynamic_model("moe", "tiny")
+    wrap_blocks(spec.model, cache=cache)
+    for seed, expert in enumerate((0, 2, 3)):
+        (ids,), _ = spec.make_batch(BATCH, seed=seed, key=expert)
+        spec.model(ids).sum().backward()
+        assert (cache.exports, cache.compiled) == (2, 2)
+    assert sorted(c.step.model.graph.name for c in cache.steps.values()) == ["AttentionBlock_vjp", "ExpertBlock_vjp"]
 
 
 def _example(block: nn.Module, args, seed: int = 0):
