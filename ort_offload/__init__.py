@@ -50,6 +50,10 @@ _LAZY = {
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.trainer",
     "load_training_artifact": "ort_offload.ort_artifacts",
+    "BlockwiseTrainer": "ort_offload.blockwise",
+    "wrap_blocks": "ort_offload.blockwise",
+    "unwrap_blocks": "ort_offload.blockwise",
+    "export_block_step": "ort_offload.blockwise",
 }
 __all__ += sorted(_LAZY)
 
