@@ -219,7 +219,13 @@ def _max_abs_diff(run: _Run, reference: _Run) -> tuple[bool, float]:
 def _stock_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     import onnxruntime as ort
 
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    # Stock kernels, reproducible: one thread. With two, the embedding gradient's scatter-add
+    # sums in varying order even with use_deterministic_compute (bert small: two runs of one
+    # graph differ by 2e-3).
+    options.intra_op_num_threads = 1
+    options.use_deterministic_compute = True
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
 
