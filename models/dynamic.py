@@ -21,7 +21,7 @@ from torch import nn
 
 from models import moe, tree_lstm, var_bert, var_lstm
 from models.dynamic_common import Batch
-from models.registry import CUSTOM_CONFIG_NAME, UnknownModelError, classification_loss
+from models.registry import UnknownModelError, build_config, classification_loss
 
 __all__ = ["DynamicModelSpec", "get_dynamic_model", "list_dynamic_configs", "list_dynamic_models"]
 
@@ -142,25 +142,10 @@ def get_dynamic_model(name: str, config: str = "tiny", *, seed: int = 0, **overr
     unknown override field or an invalid resulting config.
     """
     entry = _entry(name)
-    if config not in entry.configs:
-        raise UnknownModelError(
-            f"unknown config {config!r} for model {name!r}; valid configs: {', '.join(sorted(entry.configs))}"
-        )
-    base = entry.configs[config]
-    valid_fields = [field.name for field in dataclasses.fields(base)]
-    unknown = sorted(set(overrides) - set(valid_fields))
-    if unknown:
-        raise ValueError(
-            f"unknown config field(s) {', '.join(unknown)} for model {name!r}; "
-            f"valid fields: {', '.join(valid_fields)}"
-        )
-    resolved = dataclasses.replace(base, **overrides) if overrides else base
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = entry.build(resolved)
+    resolved, config_name, model = build_config(name, entry.configs, entry.build, config, seed=seed, overrides=overrides)
     return DynamicModelSpec(
         name=name,
-        config_name=config if resolved == base else CUSTOM_CONFIG_NAME,
+        config_name=config_name,
         config=resolved,
         model=model,
         loss_fn=classification_loss,

@@ -196,23 +196,7 @@ def get_model(name: str, config: str = "tiny", *, seed: int = 0, **overrides: An
     for an unknown override field or an invalid resulting config.
     """
     entry = _entry(name)
-    if config not in entry.configs:
-        raise UnknownModelError(
-            f"unknown config {config!r} for model {name!r}; valid configs: {', '.join(sorted(entry.configs))}"
-        )
-    base = entry.configs[config]
-    valid_fields = [field.name for field in dataclasses.fields(base)]
-    unknown = sorted(set(overrides) - set(valid_fields))
-    if unknown:
-        raise ValueError(
-            f"unknown config field(s) {', '.join(unknown)} for model {name!r}; "
-            f"valid fields: {', '.join(valid_fields)}"
-        )
-    resolved = dataclasses.replace(base, **overrides) if overrides else base
-    config_name = config if resolved == base else CUSTOM_CONFIG_NAME
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = entry.build(resolved)
+    resolved, config_name, model = build_config(name, entry.configs, entry.build, config, seed=seed, overrides=overrides)
     return ModelSpec(
         name=name,
         config_name=config_name,
@@ -225,6 +209,30 @@ def get_model(name: str, config: str = "tiny", *, seed: int = 0, **overrides: An
         default_batch=entry.default_batch[config],
         default_seq=resolved.seq if entry.has_seq else None,
     )
+
+
+def build_config(name: str, configs: Mapping[str, Any], build: Callable[[Any], nn.Module], config: str, *,
+                 seed: int, overrides: Mapping[str, Any]) -> tuple[Any, str, nn.Module]:
+    """Named ``config`` of model ``name`` with ``overrides`` applied, its config name (or
+    :data:`CUSTOM_CONFIG_NAME`), and the module built from it with parameters drawn under
+    ``torch.manual_seed(seed)`` in a forked RNG (the caller's global RNG state is untouched)."""
+    if config not in configs:
+        raise UnknownModelError(
+            f"unknown config {config!r} for model {name!r}; valid configs: {', '.join(sorted(configs))}"
+        )
+    base = configs[config]
+    valid_fields = [field.name for field in dataclasses.fields(base)]
+    unknown = sorted(set(overrides) - set(valid_fields))
+    if unknown:
+        raise ValueError(
+            f"unknown config field(s) {', '.join(unknown)} for model {name!r}; "
+            f"valid fields: {', '.join(valid_fields)}"
+        )
+    resolved = dataclasses.replace(base, **overrides) if overrides else base
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build(resolved)
+    return resolved, config if resolved == base else CUSTOM_CONFIG_NAME, model
 
 
 def _entry(name: str) -> _ModelEntry:
