@@ -26,6 +26,7 @@ split either (:func:`split_options` raises :class:`UnsplittableOpError`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Mapping
 
@@ -166,11 +167,12 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
 
 # --- rules ------------------------------------------------------------------------------------
 
-class SplitRule:
+class SplitRule(abc.ABC):
     """Base of the rules: ``options(node)`` lists the node's splits (possibly none)."""
 
+    @abc.abstractmethod
     def options(self, node: NodeInfo) -> tuple[SplitOption, ...]:
-        raise NotImplementedError
+        """Every way this node can be split, for its concrete shapes and attributes."""
 
 
 def _norm(axis: int, rank: int) -> int:

@@ -269,12 +269,7 @@ def _trace_and_export(block: torch.nn.Module, args: tuple, key: str) -> VJPStep:
     in_names = arg_inputs + param_inputs + buffer_inputs + dy_inputs
     out_names = y_outputs + dx_outputs + grad_outputs
     graph = ir_model.graph
-    if len(graph.inputs) != len(in_names) or len(graph.outputs) != len(out_names):
-        raise ExportError(
-            f"ONNX export of the step of {type(block).__name__} changed its signature ({len(graph.inputs)} inputs/"
-            f"{len(graph.outputs)} outputs, expected {len(in_names)}/{len(out_names)})"
-        )
-    _rename_signature(graph, in_names, out_names)
+    _rename_signature(graph, in_names, out_names, what=f"the step of {type(block).__name__}")
     model = ir.to_proto(ir_model)
     model.graph.name = f"{type(block).__name__}_vjp"
     _seed_random_ops(model)

@@ -338,12 +338,7 @@ def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, 
 
     ir_model = _onnx_export(joint.graph_module, tuple(args), tuple(dyn))
     graph = ir_model.graph
-    if len(graph.inputs) != len(arg_names) or len(graph.outputs) != len(out_names):
-        raise ExportError(
-            f"ONNX export of {name} changed the step's signature "
-            f"({len(graph.inputs)} inputs/{len(graph.outputs)} outputs, expected {len(arg_names)}/{len(out_names)})"
-        )
-    _rename_signature(graph, arg_names, out_names)
+    _rename_signature(graph, arg_names, out_names, what=f"the training step of {name}")
     roles = dict(zip(arg_names, arg_roles))
     roles.update(zip(out_names, out_roles))
     pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
@@ -361,7 +356,7 @@ def _export_eval(model, example_inputs, input_names, axes, name):
     ir_model = _onnx_export(ep.graph_module, tuple(args), tuple(dyn))
     graph = ir_model.graph
     out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]
-    _rename_signature(graph, arg_names, out_names)
+    _rename_signature(graph, arg_names, out_names, what=f"the forward graph of {name}")
     roles = dict(zip(arg_names, arg_roles))
     roles.update({n: Role.ACTIVATION for n in out_names})
     return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)))
@@ -404,7 +399,14 @@ def _base(updated: str) -> str:
     return updated[: -len(optimizers.UPDATED_SUFFIX)]
 
 
-def _rename_signature(graph: ir.Graph, input_names: Sequence[str], output_names: Sequence[str]) -> None:
+def _rename_signature(graph: ir.Graph, input_names: Sequence[str], output_names: Sequence[str], *, what: str) -> None:
+    """Name the exported graph's inputs and outputs; ``what`` names the graph in the error raised
+    when the ONNX export changed how many there are."""
+    if len(graph.inputs) != len(input_names) or len(graph.outputs) != len(output_names):
+        raise ExportError(
+            f"ONNX export of {what} changed its signature ({len(graph.inputs)} inputs/{len(graph.outputs)} outputs, "
+            f"expected {len(input_names)}/{len(output_names)})"
+        )
     taken = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.initializers.values()}
     for value, new in zip(graph.inputs, input_names):
         if new in taken:
