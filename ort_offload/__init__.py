@@ -50,7 +50,7 @@ _LAZY = {
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.trainer",
     "load_training_artifact": "ort_offload.ort_artifacts",
-    "BlockwiseTrainer": "ort_offload.blockwise",
+    "BlockwiseTrainer": "ort_offload.dynamic_trainer",
     "wrap_blocks": "ort_offload.blockwise",
     "unwrap_blocks": "ort_offload.blockwise",
     "export_block_step": "ort_offload.blockwise",

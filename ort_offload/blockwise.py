@@ -4,7 +4,9 @@ Owns the export of one block's vector-Jacobian step (:func:`export_block_step`),
 a forward part and a backward part (:func:`split_step`), the ONNX Runtime sessions of both parts
 (:class:`CompiledStep`), the cache of compiled steps (:class:`BlockStepCache`), the
 ``torch.autograd.Function`` that chains the parts through torch autograd, the wrapping of a
-model's blocks (:func:`wrap_blocks` / :func:`unwrap_blocks`) and :class:`BlockwiseTrainer`.
+model's blocks (:func:`wrap_blocks` / :func:`unwrap_blocks`) and the unbudgeted executor
+(:class:`HostExecutor`). The trainer is :mod:`ort_offload.dynamic_trainer`; the budgeted executor
+:mod:`ort_offload.dynamic_runtime`.
 
 How values flow. A wrapped block's forward calls the autograd Function with the block's
 arguments, then its parameters and buffers, as the Function's inputs. The Function's forward
@@ -68,7 +70,7 @@ _METADATA_KEY = "ort_offload.block_step"
 
 __all__ = [
     "BlockStepCache",
-    "BlockwiseTrainer",
+    "HostExecutor",
     "CompiledStep",
     "SplitStep",
     "VJPStep",
@@ -499,35 +501,57 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+class HostExecutor:
+    """Runs block parts on host arrays with no budget: the arguments and parameters are fed to
+    ONNX Runtime as they are and the saved activations stay with the invocation (numpy arrays).
+
+    An executor gives a block invocation its meaning. ``forward(compiled, block_id, inputs)``
+    returns ``(ys, handle, to_save)``: the outputs as torch tensors, what the backward needs
+    (opaque to the caller) and the torch inputs to keep with ``save_for_backward`` (torch then
+    checks they were not modified in place before the backward). ``backward(compiled, handle,
+    dys, saved_tensors)`` returns the backward part's outputs (``dx`` then ``grad``) as numpy
+    arrays. The budgeted executor is :class:`ort_offload.dynamic_runtime.BlockRuntime`.
+    """
+
+    def forward(self, compiled: "CompiledStep", block_id: int, inputs: Sequence[torch.Tensor]):
+        ys, saved = compiled.run_forward([_to_numpy(t) for t in inputs])
+        to_save = [inputs[i] for i in compiled.backward_positions]
+        return [torch.from_numpy(y) for y in ys], saved, to_save
+
+    def backward(self, compiled: "CompiledStep", handle, dys: Sequence[torch.Tensor],
+                 saved_tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        state = [_to_numpy(t) for t in saved_tensors]
+        return compiled.run_backward([_to_numpy(d) for d in dys], handle, state)
+
+
 class _BlockFunction(torch.autograd.Function):
-    """``apply(compiled, *args, *params, *buffers) -> y tuple``; backward gives dx and dparams.
+    """``apply(executor, compiled, block_id, *args, *params, *buffers) -> y tuple``; backward
+    gives dx and dparams.
 
     Parameters are inputs of the Function, so autograd accumulates ``dparam`` into ``.grad``.
-    Saved activations live on ``ctx`` (one set per invocation); the arguments and parameters
-    the backward part reads are saved with ``save_for_backward`` (torch checks they were not
-    modified in place before backward).
+    What the backward part needs is the executor's ``handle`` (one per invocation, so a block
+    called many times in one forward keeps one set of saved activations per call).
     """
 
     @staticmethod
-    def forward(ctx, compiled: CompiledStep, *inputs):
-        values = [_to_numpy(t) for t in inputs]
-        ys, saved = compiled.run_forward(values)
+    def forward(ctx, executor, compiled: CompiledStep, block_id: int, *inputs):
+        ys, handle, to_save = executor.forward(compiled, block_id, inputs)
+        ctx.executor = executor
         ctx.compiled = compiled
-        ctx.saved_arrays = saved
+        ctx.handle = handle
         ctx.n_inputs = len(inputs)
-        ctx.save_for_backward(*[inputs[i] for i in compiled.backward_positions])
-        return tuple(torch.from_numpy(y) for y in ys)
+        ctx.save_for_backward(*to_save)
+        return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
         compiled: CompiledStep = ctx.compiled
-        state = [_to_numpy(t) for t in ctx.saved_tensors]
-        grads = compiled.run_backward([_to_numpy(d) for d in dys], ctx.saved_arrays, state)
-        ctx.saved_arrays = None  # activations are dead once their backward ran
+        grads = ctx.executor.backward(compiled, ctx.handle, dys, ctx.saved_tensors)
+        ctx.handle = None  # activations are dead once their backward ran
         result: list[torch.Tensor | None] = [None] * ctx.n_inputs
         for position, grad in zip(compiled.grad_positions, grads):
             result[position] = torch.from_numpy(grad)
-        return (None, *result)
+        return (None, None, None, *result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -610,19 +634,23 @@ def wrap_blocks(
     *,
     cache: BlockStepCache | None = None,
     cache_dir: str | os.PathLike | None = None,
+    executor=None,
 ) -> BlockStepCache:
     """Make each block's forward run its step's forward part in ONNX Runtime, its backward the
     backward part; the model's own forward (Python control flow) runs unchanged.
 
-    ``blocks`` defaults to :func:`default_blocks`. Returns the :class:`BlockStepCache` the blocks
-    share (``cache`` when given). :func:`unwrap_blocks` restores the original forwards.
+    ``blocks`` defaults to :func:`default_blocks`; a block's id is its position in that list
+    (the index ``model.path`` uses). ``executor`` runs the parts (default :class:`HostExecutor`:
+    host arrays, no budget). Returns the :class:`BlockStepCache` the blocks share (``cache``
+    when given). :func:`unwrap_blocks` restores the original forwards.
     """
     blocks = default_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise InputMismatchError(f"{type(model).__name__} has no blocks to wrap (no blocks() and no nn.ModuleList)")
     cache = cache if cache is not None else BlockStepCache(cache_dir=cache_dir)
+    executor = executor if executor is not None else HostExecutor()
     seen: set[int] = set()
-    for block in blocks:
+    for block_id, block in enumerate(blocks):
         if not isinstance(block, torch.nn.Module):
             raise InputMismatchError(f"blocks must be nn.Modules, got a {type(block).__name__}")
         if id(block) in seen:
@@ -630,7 +658,7 @@ def wrap_blocks(
         seen.add(id(block))
         if hasattr(block, _WRAPPED_ATTR):
             raise InputMismatchError(f"{type(block).__name__} is already wrapped; unwrap_blocks first")
-        block.__dict__["forward"] = _make_forward(block, cache)
+        block.__dict__["forward"] = _make_forward(block, block_id, cache, executor)
         object.__setattr__(block, _WRAPPED_ATTR, cache)
     model.__dict__["_ort_blockwise_blocks"] = [b for b in blocks]
     return cache
@@ -643,76 +671,13 @@ def unwrap_blocks(model: torch.nn.Module) -> None:
         block.__dict__.pop(_WRAPPED_ATTR, None)
 
 
-def _make_forward(block: torch.nn.Module, cache: BlockStepCache) -> Callable:
+def _make_forward(block: torch.nn.Module, block_id: int, cache: BlockStepCache, executor) -> Callable:
     def forward(*args, **kwargs):
         _check_args(args, kwargs, type(block).__name__)
         compiled = cache.get(block, args)
         params = [p for _, p in block.named_parameters()]
         buffers = [b for _, b in block.named_buffers()]
-        ys = _BlockFunction.apply(compiled, *args, *params, *buffers)
+        ys = _BlockFunction.apply(executor, compiled, block_id, *args, *params, *buffers)
         return tuple(ys) if compiled.step.tuple_output else ys[0]
 
     return forward
-
-
-# --------------------------------------------------------------------------------------------
-# Trainer
-# --------------------------------------------------------------------------------------------
-
-
-class BlockwiseTrainer:
-    """Trains a dynamic model block-wise: blocks run in ONNX Runtime, the rest in torch.
-
-    ``step(*inputs, *targets) -> loss`` runs the model's Python forward (its wrapped blocks run
-    their forward parts in ONNX Runtime), ``loss_fn(outputs, *targets)``, the backward (each
-    block's backward part) and one update of a torch optimizer (``"adamw"`` or ``"sgd"``).
-
-    Not yet under the runtime's budget: parameters, gradients and optimizer state are ordinary
-    torch tensors on the CPU, and the stem/head outside the blocks runs in torch eagerly. Moving
-    them into the runtime (arena and host store) is the next step of issue 8.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        loss_fn: Callable[..., torch.Tensor],
-        *,
-        optimizer: str = "adamw",
-        lr: float = 1e-3,
-        num_inputs: int = 1,
-        blocks: Sequence[torch.nn.Module] | None = None,
-        cache: BlockStepCache | None = None,
-        cache_dir: str | os.PathLike | None = None,
-    ) -> None:
-        if optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        elif optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-        else:
-            raise InputMismatchError(f"unknown optimizer {optimizer!r}: choose from adamw, sgd")
-        if num_inputs < 1:
-            raise InputMismatchError(f"num_inputs must be >= 1, got {num_inputs}")
-        self.model = model
-        self.loss_fn = loss_fn
-        self.num_inputs = num_inputs
-        self.cache = wrap_blocks(model, blocks, cache=cache, cache_dir=cache_dir)
-        self.losses: list[float] = []
-
-    def step(self, *batch: torch.Tensor) -> float:
-        """One training step on ``(*inputs, *targets)``; returns the loss."""
-        if len(batch) <= self.num_inputs:
-            raise InputMismatchError(
-                f"step takes {self.num_inputs} input(s) and at least one target, got {len(batch)} tensors"
-            )
-        inputs, targets = batch[: self.num_inputs], batch[self.num_inputs :]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(*inputs), *targets)
-        loss.backward()
-        self.optimizer.step()
-        value = float(loss.detach())
-        self.losses.append(value)
-        return value
-
-    def close(self) -> None:
-        """Restore the model's original block forwards."""
-        unwrap_blocks(self.model)

@@ -24,7 +24,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["NoPredictor", "OraclePredictor", "PathPrediction", "PathPredictor", "even_groups"]
+__all__ = ["NoPredictor", "OraclePredictor", "PathPrediction", "PathPredictor", "WrongPredictor", "even_groups"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,18 @@ class NoPredictor:
 
     def predict(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> PathPrediction:
         return PathPrediction(path=(), execution_blocks=(), key=("none",))
+
+
+class WrongPredictor:
+    """Always wrong: the true path shifted by one block id (mod the number of blocks), so every
+    position differs. For testing that mispredictions cost faults, never numbers."""
+
+    def __init__(self, partition: Partitioner | None = None) -> None:
+        self.partition = partition or (lambda path: even_groups(path, 1))
+
+    def predict(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> PathPrediction:
+        count = len(model.blocks())
+        path = tuple((int(i) + 1) % max(count, 1) for i in model.path(*inputs))
+        if count == 1:
+            path = path + (0,)  # with one block only a longer path can be wrong
+        return PathPrediction(path=path, execution_blocks=self.partition(path), key=("wrong", path))

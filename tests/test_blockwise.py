@@ -18,13 +18,13 @@ from models.var_lstm import LSTMStep
 from ort_offload.block_session import default_session_options
 from ort_offload.blockwise import (
     BlockStepCache,
-    BlockwiseTrainer,
     default_blocks,
     export_block_step,
     split_step,
     unwrap_blocks,
     wrap_blocks,
 )
+from ort_offload.dynamic_trainer import BlockwiseTrainer
 from ort_offload.errors import ExportError, InputMismatchError
 
 logger = logging.getLogger(__name__)
