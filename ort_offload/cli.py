@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
-    train.add_argument("--model", required=True, help="zoo model: mlp, gpt, cnn, bert, lstm")
+    train.add_argument("--model", required=True,
+                       help="zoo model: mlp, gpt, cnn, bert, lstm; dynamic (trained block-wise): var-bert, fixed-bert, "
+                            "moe, tree-lstm, var-lstm, fixed-lstm")
     train.add_argument("--config", default="tiny", help="model config (tiny, small)")
     train.add_argument("--batch", type=int, default=None)
     train.add_argument("--seq", type=int, default=None)
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
     train.add_argument("--cache-dir", default=None, help="export cache directory")
+    train.add_argument("--predictor", default="oracle", choices=["oracle", "none", "wrong"],
+                       help="dynamic models: who predicts each batch's path for prefetching (oracle: the true path; "
+                            "none: every fetch on demand; wrong: always mispredicted, for testing)")
+    train.add_argument("--misprediction-log", default=None, help="dynamic models: append mispredicted batches (JSON lines)")
     _add_common_run_options(train)
 
     export = sub.add_parser("export", help="write a zoo model's training step as ONNX")
@@ -226,6 +232,8 @@ def _train(args) -> int:
     if args.steps < 1:
         raise OffloadError("--steps must be at least 1")
     device = _device(args)
+    if _is_dynamic_name(args.model):
+        return _train_dynamic(args, device)
     spec = _zoo_spec(args)
     lengths = _seq_lengths(args) or [None] * args.steps
     inputs, targets = _batch(spec, args, 0, lengths[0])
@@ -243,10 +251,94 @@ def _train(args) -> int:
     return _finish(trainer, args, extra)
 
 
-def _verify(spec, args, trainer, batches) -> dict:
-    """Train a fresh copy of the same model in plain torch on the same batches and compare."""
+def _is_dynamic_name(name: str) -> bool:
+    from models import list_dynamic_models
+
+    return name in list_dynamic_models()
+
+
+def _train_dynamic(args, device) -> int:
+    """Train a dynamic zoo model block-wise under the device's budget."""
+    from models import get_dynamic_model
+    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.errors import InputMismatchError, OffloadError, UnknownModelError
+    from pilot.prediction import NoPredictor, OraclePredictor, WrongPredictor
+
+    for flag, value in (("--plot", args.plot_path), ("--seq", args.seq), ("--seq-range", args.seq_range),
+                        ("--block-nodes", args.block_nodes)):
+        if value is not None:
+            raise OffloadError(f"{flag} does not apply to dynamic models (trained block-wise); drop it")
+    if args.passes not in ("auto", "none"):
+        raise OffloadError("--passes does not apply to dynamic models: block-wise training offloads by prefetch; drop it")
+    if args.misprediction_log is not None:
+        _check_outputs_writable(args.misprediction_log)
+    try:
+        spec = get_dynamic_model(args.model, args.config, seed=args.seed)
+    except ValueError as e:
+        raise UnknownModelError(str(e)) from e
+    predictor = {"oracle": OraclePredictor, "none": NoPredictor, "wrong": WrongPredictor}[args.predictor]()
+    trainer = BlockwiseTrainer(
+        spec.model, spec.loss_fn, device=device, predictor=predictor, optimizer=args.optimizer,
+        lr=args.lr if args.lr is not None else 1e-3, name=f"{spec.name}-{spec.config_name}",
+        cache_dir=args.cache_dir, misprediction_log=args.misprediction_log,
+    )
+    try:
+        batches = []
+        for step in range(args.steps):
+            try:
+                inputs, targets = spec.make_batch(args.batch, seed=args.seed * 100003 + step)
+            except ValueError as e:
+                raise InputMismatchError(str(e)) from e
+            batches.append((inputs, targets))
+        _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)
+        extra = {}
+        if args.verify:
+            extra["verify"] = _verify_dynamic(args, trainer, batches)
+        return _finish(trainer, args, extra)
+    finally:
+        trainer.close()
+
+
+def _verify_dynamic(args, trainer, batches) -> dict:
+    """Train a fresh copy of the dynamic model in plain torch on the same batches and compare."""
+    from models import get_dynamic_model
+
+    import torch
+
+    reference = get_dynamic_model(args.model, args.config, seed=args.seed)
+    lr = args.lr if args.lr is not None else 1e-3
+    optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](reference.model.parameters(), lr=lr)
+    losses = []
+    for inputs, targets in batches:
+        loss = reference.loss_fn(reference.model(*inputs), *targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
+
+
+def _compare_with_torch(our_losses, torch_losses, state, reference_model) -> dict:
+    """Largest relative differences of losses and parameters against a plain torch run."""
     import numpy as np
 
+    param_diff, worst = 0.0, None
+    for name, tensor in reference_model.state_dict().items():
+        if name in state and tensor.is_floating_point():
+            ref = tensor.detach().numpy()
+            scale = max(float(np.abs(ref).max()), 1e-12)
+            diff = float(np.abs(state[name] - ref).max()) / scale
+            if diff > param_diff:
+                param_diff, worst = diff, name
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(our_losses, torch_losses))
+    # Adam turns float noise in an exactly-zero gradient (e.g. an attention key bias) into
+    # ±lr steps in both frameworks; the worst tensor's name makes such cases recognisable.
+    return {"torch_losses": torch_losses, "max_loss_rel_diff": loss_diff, "max_param_rel_diff": param_diff,
+            "max_param_rel_diff_tensor": worst}
+
+
+def _verify(spec, args, trainer, batches) -> dict:
+    """Train a fresh copy of the same model in plain torch on the same batches and compare."""
     from models import get_model
 
     reference = get_model(args.model, args.config, seed=args.seed)
@@ -259,20 +351,7 @@ def _verify(spec, args, trainer, batches) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    state = trainer.state_dict()
-    param_diff, worst = 0.0, None
-    for name, tensor in reference.model.state_dict().items():
-        if name in state and tensor.is_floating_point():
-            ref = tensor.detach().numpy()
-            scale = max(float(np.abs(ref).max()), 1e-12)
-            diff = float(np.abs(state[name] - ref).max()) / scale
-            if diff > param_diff:
-                param_diff, worst = diff, name
-    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(trainer.losses, losses))
-    # Adam turns float noise in an exactly-zero gradient (e.g. an attention key bias) into
-    # ±lr steps in both frameworks; the worst tensor's name makes such cases recognisable.
-    return {"torch_losses": losses, "max_loss_rel_diff": loss_diff, "max_param_rel_diff": param_diff,
-            "max_param_rel_diff_tensor": worst}
+    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
 
 
 def _run_steps(trainer, batches, *, quiet: bool) -> None:
@@ -296,7 +375,7 @@ def _finish(trainer, args, extra: dict) -> int:
     from ort_offload.report import plot_timeline, render_table, write_json
 
     report = trainer.report()
-    if args.plot_path:
+    if getattr(args, "plot_path", None):
         plot_timeline(args.plot_path, baseline=trainer.runner.baseline_trace, planned=trainer.runner.last_trace,
                       budget_bytes=report["budget_bytes"], title=f"{report['model']}: device bytes over one step")
     if args.json_path:

@@ -66,7 +66,8 @@ class BlockwiseTrainer:
     blocks run under its budget in a :class:`BlockRuntime`; ``predictor`` guesses each batch's
     path for prefetching (default: the model's true path when the model can say it, i.e. an
     oracle; pass a :class:`pilot.Pilot` for the learned pilot, :class:`NoPredictor` for
-    on-demand fetching only).
+    on-demand fetching only; with ``prefetch=False`` nothing is prefetched at all, the
+    unified-memory-like baseline).
     """
 
     def __init__(
@@ -85,7 +86,9 @@ class BlockwiseTrainer:
         name: str | None = None,
         misprediction_log: str | os.PathLike | None = None,
         misprediction_cache: bool = True,
+        prefetch: bool = True,
         measure_baseline: bool = True,
+        arena_policy: str = "double_buffer",
     ) -> None:
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -107,8 +110,10 @@ class BlockwiseTrainer:
         if predictor is None:
             predictor = _default_predictor(model)
         self.predictor = predictor
-        self._runtime_options = dict(misprediction_log=misprediction_log, misprediction_cache=misprediction_cache)
+        self._runtime_options = dict(misprediction_log=misprediction_log, misprediction_cache=misprediction_cache,
+                                     prefetch=prefetch)
         self.measure_baseline = measure_baseline
+        self.arena_policy = arena_policy  # DyNN-Offload's work and migration halves by default
         self.cache = cache if cache is not None else BlockStepCache(cache_dir=cache_dir)
         self.runtime: BlockRuntime | None = None
         self.baseline_peak_bytes: int | None = None
@@ -128,7 +133,7 @@ class BlockwiseTrainer:
     def _make_runtime(self, budget_bytes: int | None, residency: str, predictor: PathPredictor) -> BlockRuntime:
         return BlockRuntime(
             self.blocks, budget_bytes=budget_bytes, predictor=predictor, resident_params=self._stem_and_head(),
-            residency=residency, arena_policy=self.device.arena_policy if self.device.arena_policy != "best_fit" else "double_buffer",
+            residency=residency, arena_policy=self.arena_policy,
             optimizer_states=_OPTIMIZER_STATES[self.optimizer_name], alignment=self.device.alignment,
             **(self._runtime_options if residency == "offload" else {}),
         )

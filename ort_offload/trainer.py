@@ -307,7 +307,7 @@ def create_ort_trainer(
     device: OffloadDevice,
     model: torch.nn.Module,
     *,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | None = None,
     example_targets: Sequence[torch.Tensor] = (),
     loss_fn: Callable | None = None,
     optimizer: str | optimizers.OptimizerConfig = "adamw",
@@ -327,11 +327,28 @@ def create_ort_trainer(
     loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
     ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
+
+    A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
+    :class:`~ort_offload.dynamic_trainer.BlockwiseTrainer` instead: its Python control flow runs
+    as written and its blocks run block-wise under the budget; ``example_inputs`` then only
+    gives the number of inputs (default 1), and ``loss_fn`` defaults to the model's output.
     """
     if not isinstance(device, OffloadDevice):
         raise TypeError("device must come from ort_offload.set_offload_device(...)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from ort_offload.dynamic_trainer import BlockwiseTrainer, is_dynamic_model
+
+    if is_dynamic_model(model):
+        if not isinstance(optimizer, str) or optimizer_options:
+            raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
+        return BlockwiseTrainer(
+            model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
+            optimizer=optimizer, lr=lr if lr is not None else 1e-3,
+            num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
+        )
+    if example_inputs is None:
+        raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
     pass_list = resolve_passes(passes)
     config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
     example_inputs = tuple(example_inputs)
