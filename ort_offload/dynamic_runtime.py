@@ -67,7 +67,7 @@ from ort_offload.errors import BudgetTooSmallError, ExecutionError
 from ort_offload.host_store import HostStore
 from pilot.prediction import NoPredictor, PathPrediction, PathPredictor, even_groups
 
-__all__ = ["BlockRuntime", "RESIDENCY_MODES", "RuntimeStats", "part_tensor_infos"]
+__all__ = ["BlockRuntime", "RESIDENCY_MODES", "RuntimeStats", "TraceEvent", "part_tensor_infos"]
 
 RESIDENCY_MODES = ("offload", "resident")
 
@@ -97,6 +97,7 @@ class _BoundPart:
 
     def __init__(self, session, model: onnx.ModelProto) -> None:
         self.session = session
+        self.model = model
         self.binding = session.io_binding()
         self.inputs = tuple(v.name for v in model.graph.input)
         self.outputs = tuple(v.name for v in model.graph.output)
@@ -143,6 +144,21 @@ class RuntimeStats:
     inference_us: list = dataclasses.field(default_factory=list)
     mapping_us: list = dataclasses.field(default_factory=list)
     fault_log: list = dataclasses.field(default_factory=list)  # (step, phase, execution block, tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEvent:
+    """One event of a step, in program order, for replay on a device profile
+    (:mod:`graph_passes.trace_replay`): ``compute`` (a part ran; ``needs``: the parameters and
+    saved tensors it read), ``prefetch`` (a copy in issued ahead), ``fault`` (a synchronous copy
+    in), ``writeback`` (an eviction copied a saved activation out), ``gradient`` (a gradient
+    handed to the host)."""
+
+    kind: str
+    name: str
+    nbytes: int
+    needs: tuple[str, ...] = ()
+    part: Any = None
 
 
 @dataclasses.dataclass
@@ -201,6 +217,8 @@ class BlockRuntime:
         self._parts: dict[tuple[int, str], _BoundPart] = {}
         self._block_sources: list[dict[str, torch.Tensor]] = [self._sources(b) for b in self.blocks]
         self._prefetched: set[str] = set()  # arena names a prefetch brought in this step
+        self.trace: list[TraceEvent] = []  # the current step's events, in program order
+        self.step_traces: list[list[TraceEvent]] = []  # completed steps' traces (the last 16)
         self._charge_resident(resident_params, optimizer_states)
         self._reset_step()
 
@@ -279,6 +297,14 @@ class BlockRuntime:
         self.prediction = prediction
         self._phase_blocks = list(prediction.execution_blocks)
         if self.residency == "resident":  # the whole model on the device, as without offload
+            align = self.arena.alignment
+            model_bytes = sum(-(-t.numel() * t.element_size() // align) * align
+                              for sources in self._block_sources for t in sources.values())
+            if self.budget is not None and self.resident_bytes + model_bytes > self.budget:
+                need = self.resident_bytes + model_bytes
+                raise BudgetTooSmallError(
+                    f"the resident model (parameters, gradients, optimizer state) needs {need} bytes before any "
+                    f"activation but the budget is {self.budget}", needed_bytes=need, budget_bytes=self.budget)
             for block_id, sources in enumerate(self._block_sources):
                 for value, tensor in sources.items():
                     name = self._param_name(block_id, value)
@@ -308,6 +334,8 @@ class BlockRuntime:
             if not name.startswith("resident/"):
                 self.arena.free(name)
         self.host.clear()
+        self.step_traces = (self.step_traces + [self.trace])[-16:]
+        self.trace = []
         self._reset_step()
 
     def _record_misprediction(self, true_path: tuple[int, ...]) -> None:
@@ -396,6 +424,7 @@ class BlockRuntime:
             array = self.arena.view(names[value]).copy()
             if value in compiled.step.grad_outputs:
                 self.stats.swap_out_bytes += array.nbytes  # gradients go to the host, where the optimizer runs
+                self.trace.append(TraceEvent("gradient", names[value], array.nbytes))
             grads.append(array)
         for value, name in names.items():
             if name.startswith(f"i{handle}/") and name in self.arena:
@@ -500,6 +529,7 @@ class BlockRuntime:
                                   evict_after=horizon, required=False):
                 break
             self._issue_copy(name, source)
+            self.trace.append(TraceEvent("prefetch", name, info.nbytes))
             self._prefetched.add(name)
             self.stats.prefetches += 1
             self.stats.prefetch_bytes += info.nbytes
@@ -563,6 +593,7 @@ class BlockRuntime:
             self._issue_copy(name, source)
             self.h2d.wait(name)
             self.stats.stall_time_s += time.perf_counter() - started
+            self.trace.append(TraceEvent("fault", name, info.nbytes))
             self.stats.faults += 1
             self.stats.fault_bytes += info.nbytes
             self.stats.fault_log.append((self.stats.steps, self._phase, phase_block, name))
@@ -593,6 +624,9 @@ class BlockRuntime:
                         needed_bytes=self.arena.in_use + part.workspace_bytes, budget_bytes=self.budget) from None
 
     def _run(self, part: _BoundPart, names: dict[str, str], protect: set[str]) -> None:
+        self.trace.append(TraceEvent("compute", part.model.graph.name, 0,
+                                     needs=tuple(n for n in names.values() if n.startswith(("b", "i")) and n in self.arena),
+                                     part=part))
         self._measure(part.workspace_bytes)
         self.min_budget_bytes = max(self.min_budget_bytes, self._needed(names, part))
         part.run(self.arena, names)
@@ -693,6 +727,7 @@ class BlockRuntime:
         if victim.startswith("i") and use != float("inf"):
             array = self.arena.view(victim).copy()
             self.host.adopt(victim, array)
+            self.trace.append(TraceEvent("writeback", victim, array.nbytes))
             self.stats.swap_out_bytes += array.nbytes
         self._prefetched.discard(victim)
         self.arena.free(victim)

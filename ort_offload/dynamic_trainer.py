@@ -67,7 +67,9 @@ class BlockwiseTrainer:
     path for prefetching (default: the model's true path when the model can say it, i.e. an
     oracle; pass a :class:`pilot.Pilot` for the learned pilot, :class:`NoPredictor` for
     on-demand fetching only; with ``prefetch=False`` nothing is prefetched at all, the
-    unified-memory-like baseline).
+    unified-memory-like baseline). ``residency="resident"`` keeps the whole model on the device
+    (parameters, gradients, optimizer state, every saved activation): the no-offload baseline
+    under the same accounting.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class BlockwiseTrainer:
         prefetch: bool = True,
         measure_baseline: bool = True,
         arena_policy: str = "double_buffer",
+        residency: str = "offload",
     ) -> None:
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -114,6 +117,7 @@ class BlockwiseTrainer:
                                      prefetch=prefetch)
         self.measure_baseline = measure_baseline
         self.arena_policy = arena_policy  # DyNN-Offload's work and migration halves by default
+        self.residency = residency  # "resident": the no-offload baseline under the same accounting
         self.cache = cache if cache is not None else BlockStepCache(cache_dir=cache_dir)
         self.runtime: BlockRuntime | None = None
         self.baseline_peak_bytes: int | None = None
@@ -161,7 +165,7 @@ class BlockwiseTrainer:
         if self.measure_baseline or (budget is not None and budget.is_fraction):
             self.baseline_peak_bytes = self._measure_baseline(inputs, targets)
         self.budget_bytes = None if budget is None else budget.resolve(self.baseline_peak_bytes or 0)
-        self.runtime = self._make_runtime(self.budget_bytes, "offload", self.predictor)
+        self.runtime = self._make_runtime(self.budget_bytes, self.residency, self.predictor)
         wrap_blocks(self.model, self.blocks, cache=self.cache, executor=self.runtime)
 
     # ---- training --------------------------------------------------------------------------
