@@ -12,9 +12,11 @@ Run ``python -m benchmarks.dynn [--quick] [--out DIR] [--predictor pilot|oracle]
    such). Each depth is a real training step, peak checked against the budget.
    Target: ≥ 8× deeper.
 2. **Step time** (var-BERT ``small``, variable depth): at budgets 0.5x and 0.25x of the
-   no-offload peak (measured on the first, deepest batch), median step time of: the unlimited-memory run (blocks on host arrays, no
-   copies), prefetch guided by the predictor, and on-demand fetching only (no prediction, no
-   prefetch: every tensor arrives by tensor fault, the unified-memory-like baseline). The
+   no-offload peak (measured on the first, deepest batch), median step time of: the
+   unlimited-memory run (blocks on host arrays, no copies), prefetch guided by the predictor
+   (with asynchronous pre-eviction of saved activations), and on-demand fetching only (no
+   prediction, no prefetch, eviction when room is needed: every tensor arrives by tensor fault,
+   the unified-memory-like baseline). The
    trainers' steps are interleaved on the same batches, so machine noise hits all alike; losses
    and parameters are compared bitwise with the unlimited run. The CPU has no copy engine
    (a copy is a memcpy on the cores the blocks compute on), so each budgeted step's event trace
@@ -173,7 +175,7 @@ def run_step_time(settings: Settings, predictor_factory, log) -> dict:
             device = ort_offload.set_offload_device("cpu", budget=budget)
             if kind == "prefetch":
                 return BlockwiseTrainer(spec.model, spec.loss_fn, device=device, cache=cache,
-                                        predictor=predictor_factory(spec))
+                                        predictor=predictor_factory(spec), pre_evict=True)
             return BlockwiseTrainer(spec.model, spec.loss_fn, device=device, cache=cache, predictor=NoPredictor(),
                                     prefetch=False)
 

@@ -17,6 +17,8 @@ them on one compute stream and one copy stream per direction:
   bytes only after it), queued on the d2h stream.
 - ``gradient``: a gradient copied device→host for the host optimizer, asynchronous on the d2h
   stream (the step ends when the streams drain).
+- ``writeback_async``: a pre-eviction's device→host copy, queued on the d2h stream without
+  waiting; ``wait_writeback``: the program waits for that copy to end (it needed the bytes).
 
 Simplifications: each direction copies at its one-way rate (no duplex sharing); block inputs
 and outputs handed between blocks are not link traffic (on a GPU they stay on the device; on
@@ -64,6 +66,7 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
     now = 0.0  # the program point: when the last compute ended (or the program last waited)
     h2d_free = d2h_free = 0.0
     ready: dict[str, float] = {}
+    written: dict[str, float] = {}  # when each asynchronous write-back ends
     compute_s = stall_s = 0.0
     h2d_bytes = d2h_bytes = 0
     for event in events:
@@ -84,6 +87,15 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
             if kind == "fault":
                 stall_s += h2d_free - now
                 now = h2d_free
+        elif kind == "writeback_async":
+            start = max(now, d2h_free)
+            d2h_free = start + transfer_time(event.nbytes, profile, "d2h")
+            written[event.name] = d2h_free
+            d2h_bytes += event.nbytes
+        elif kind == "wait_writeback":
+            end = max(now, written.get(event.name, 0.0))
+            stall_s += end - now
+            now = end
         elif kind in ("writeback", "gradient"):
             start = max(now, d2h_free)
             d2h_free = start + transfer_time(event.nbytes, profile, "d2h")

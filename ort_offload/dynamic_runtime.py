@@ -193,6 +193,7 @@ class BlockRuntime:
         misprediction_cache: bool = True,
         misprediction_log: str | os.PathLike | None = None,
         prefetch: bool = True,
+        pre_evict: bool = False,
         alignment: int = 64,
     ) -> None:
         if residency not in RESIDENCY_MODES:
@@ -202,6 +203,7 @@ class BlockRuntime:
         self.predictor = predictor or NoPredictor()
         self.residency = residency
         self.prefetch = prefetch
+        self.pre_evict = pre_evict
         self.use_misprediction_cache = misprediction_cache
         self.misprediction_cache: dict[Any, PathPrediction] = {}
         self.misprediction_log = Path(misprediction_log) if misprediction_log is not None else None
@@ -210,7 +212,9 @@ class BlockRuntime:
                                  growable=budget_bytes is None)
         self.policy = make_policy(arena_policy, usable=budget_bytes, alignment=alignment)
         self.h2d = CopyEngine("h2d")
-        self.arena.before_move = self.h2d.settle  # no copy may be writing while bytes move
+        self.d2h = CopyEngine("d2h")
+        self.arena.before_move = self._settle_copies  # no copy may touch the buffer while bytes move
+        self._writing: dict[str, np.ndarray] = {}  # asynchronous write-backs in flight: name -> host buffer
         self.host = HostStore()  # written-back saved activations
         self.peak = 0
         self.min_budget_bytes = 0  # largest single-invocation need seen (resident + part in/out + workspace)
@@ -320,6 +324,8 @@ class BlockRuntime:
         """Close the step: score the prediction, log a misprediction, drop the arena copies of
         parameters (the optimizer is about to change the host copies) and anything left over."""
         self.h2d.drain()
+        self.d2h.drain()
+        self._reap()
         true_path = tuple(self.actual_path)
         predicted = self.prediction.path
         self.stats.steps += 1
@@ -394,6 +400,8 @@ class BlockRuntime:
             elif name.startswith(f"i{k}/"):
                 self.arena.free(name)
         self.invocations.append(_Invocation(k, block_id, compiled, kept))
+        if self.pre_evict:
+            self._pre_evict()
         return ys, k, ()
 
     def backward(self, compiled, handle: int, dys: Sequence[torch.Tensor], saved_tensors) -> list[np.ndarray]:
@@ -567,6 +575,13 @@ class BlockRuntime:
         protect.update(names)
         phase_block = self._exec_block
         for name in names:
+            if name in self._writing:  # being written back: keep the arena copy after all
+                started = time.perf_counter()
+                self.d2h.wait(name)
+                self.stats.stall_time_s += time.perf_counter() - started
+                self.trace.append(TraceEvent("wait_writeback", name, 0))
+                del self._writing[name]
+                continue
             if self.h2d.in_flight(name):
                 waited, _ = self.h2d.wait(name)
                 self.stats.stall_time_s += waited
@@ -618,6 +633,9 @@ class BlockRuntime:
                 self.arena.limit(self.budget - part.workspace_bytes)
                 return
             except OutOfArenaMemory:
+                if self._writing:
+                    self._wait_oldest_writeback()
+                    continue
                 if not self._evict_one(protect):
                     raise BudgetTooSmallError(
                         f"nothing left to evict below {self.budget - part.workspace_bytes} bytes; raise the budget",
@@ -659,12 +677,16 @@ class BlockRuntime:
         tensors next used after that time (a prefetch never displaces something needed sooner).
         Returns False (``required=False``) or raises :class:`BudgetTooSmallError` when nothing
         more can be evicted."""
+        self._reap()
         while True:
             try:
                 self.arena.allocate(name, info, region=region)
                 self._measure(0)
                 return True
             except OutOfArenaMemory:
+                if self._writing and (evict_after is None or required):
+                    self._wait_oldest_writeback()
+                    continue
                 if self._evict_one(protect, after=evict_after):
                     continue
                 if not required:
@@ -715,7 +737,8 @@ class BlockRuntime:
     def _evict_one(self, protect: set[str], *, after: float | None = None) -> bool:
         """Evict the unprotected tensor used furthest in the future (parameters dropped,
         saved activations written back). False if there is none (or none past ``after``)."""
-        candidates = [n for n in self.arena.names() if not n.startswith("resident/") and n not in protect]
+        candidates = [n for n in self.arena.names()
+                      if not n.startswith("resident/") and n not in protect and n not in self._writing]
         if not candidates or self.residency == "resident":
             return False
         scored = sorted(((self._next_use(n), n.startswith("b"), n) for n in candidates), reverse=True)
@@ -734,5 +757,60 @@ class BlockRuntime:
         self.stats.evictions += 1
         return True
 
+    # ---- asynchronous pre-eviction (DeepUM) ----------------------------------------------------
+
+    def _settle_copies(self) -> None:
+        self.h2d.settle()
+        self.d2h.settle()
+
+    def _pre_evict(self) -> None:
+        """After a forward invocation: start writing back saved activations (furthest next use
+        first) until what is free, counting write-backs in flight, covers the largest
+        invocation seen so far plus the next execution block's prefetch, so later allocations
+        find room without waiting for a synchronous eviction."""
+        if self.budget is None:
+            return
+        wanted = max(self.min_budget_bytes - self.resident_bytes, 0)
+        if self.on_track and self._exec_block + 1 < len(self._phase_blocks):
+            wanted += sum(self._source_info(src).nbytes for _, src in self._group_tensors(self._exec_block + 1))
+        pending = sum(self.arena.info(n).nbytes for n in self._writing)
+        free = self.budget - self.arena.in_use + pending
+        if free >= wanted:
+            return
+        candidates = sorted(((self._next_use(n), n) for n in self.arena.names()
+                             if n.startswith("i") and n not in self._writing), reverse=True)
+        for _, name in candidates:
+            if free >= wanted:
+                break
+            source = self.arena.view(name)
+            buffer = np.empty_like(source)
+
+            def copy(source=source, buffer=buffer) -> None:
+                np.copyto(buffer, source)
+
+            self.d2h.submit(name, copy)
+            self._writing[name] = buffer
+            self.trace.append(TraceEvent("writeback_async", name, buffer.nbytes))
+            self.stats.swap_out_bytes += buffer.nbytes
+            self.stats.evictions += 1
+            free += buffer.nbytes
+
+    def _reap(self) -> None:
+        """Free the arena bytes of write-backs that have finished (their host copy is complete)."""
+        for name in [n for n in self._writing if self.d2h.done(n)]:
+            self.d2h.wait(name)
+            self.host.adopt(name, self._writing.pop(name))
+            self.arena.free(name)
+
+    def _wait_oldest_writeback(self) -> None:
+        name = next(iter(self._writing))
+        started = time.perf_counter()
+        self.d2h.wait(name)
+        self.stats.stall_time_s += time.perf_counter() - started
+        self.trace.append(TraceEvent("wait_writeback", name, 0))
+        self.host.adopt(name, self._writing.pop(name))
+        self.arena.free(name)
+
     def close(self) -> None:
+        self.d2h.close()
         self.h2d.close()

@@ -69,7 +69,9 @@ class BlockwiseTrainer:
     on-demand fetching only; with ``prefetch=False`` nothing is prefetched at all, the
     unified-memory-like baseline). ``residency="resident"`` keeps the whole model on the device
     (parameters, gradients, optimizer state, every saved activation): the no-offload baseline
-    under the same accounting.
+    under the same accounting. ``pre_evict``: write saved activations back asynchronously ahead
+    of need (DeepUM's pre-eviction; default: where the device's swap-outs are asynchronous, i.e.
+    not on the CPU, whose copies take the cores the blocks compute on).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class BlockwiseTrainer:
         misprediction_log: str | os.PathLike | None = None,
         misprediction_cache: bool = True,
         prefetch: bool = True,
+        pre_evict: bool | None = None,
         measure_baseline: bool = True,
         arena_policy: str = "double_buffer",
         residency: str = "offload",
@@ -113,8 +116,10 @@ class BlockwiseTrainer:
         if predictor is None:
             predictor = _default_predictor(model)
         self.predictor = predictor
+        if pre_evict is None:  # write back asynchronously where copies run beside compute (not on the CPU)
+            pre_evict = device is not None and device.swap_outs_are_async
         self._runtime_options = dict(misprediction_log=misprediction_log, misprediction_cache=misprediction_cache,
-                                     prefetch=prefetch)
+                                     prefetch=prefetch, pre_evict=pre_evict)
         self.measure_baseline = measure_baseline
         self.arena_policy = arena_policy  # DyNN-Offload's work and migration halves by default
         self.residency = residency  # "resident": the no-offload baseline under the same accounting
