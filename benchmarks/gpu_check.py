@@ -100,6 +100,45 @@ def make_traces(models=TRACE_MODELS, budgets=TRACE_BUDGETS, profile_names=TRACE_
     return {"profiles": {n: get_profile(n).to_dict() for n in profile_names}, "traces": traces}
 
 
+DYNAMIC_TRACE_PROFILES = ("H200",)
+
+
+def make_dynamic_traces(profile_names=DYNAMIC_TRACE_PROFILES, budgets=TRACE_BUDGETS) -> list[dict[str, Any]]:
+    """Block-wise training of var-BERT ``small`` (full depth) under each budget, once with the
+    oracle's execution-block prefetch and pre-eviction and once on demand only; the last step's
+    event trace replayed on each profile (:mod:`graph_passes.trace_replay`)."""
+    import ort_offload
+    from graph_passes.device_profiles import get_profile
+    from graph_passes.trace_replay import replay as replay_trace
+    from models import get_dynamic_model
+    from ort_offload.blockwise import BlockStepCache
+    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from pilot.prediction import NoPredictor, OraclePredictor
+
+    cache = BlockStepCache()
+    traces = []
+    for budget_label in budgets:
+        for mode in ("prefetch", "on_demand"):
+            spec = get_dynamic_model("var-bert", "small", seed=0)
+            options = (dict(predictor=OraclePredictor(), pre_evict=True) if mode == "prefetch"
+                       else dict(predictor=NoPredictor(), prefetch=False))
+            trainer = BlockwiseTrainer(spec.model, spec.loss_fn, cache=cache,
+                                       device=ort_offload.set_offload_device("cpu", budget=budget_label), **options)
+            for step in range(2):
+                inputs, targets = spec.make_batch(8, seed=step, key=spec.config.segments)
+                trainer.step(*inputs, *targets)
+            trainer.close()
+            for profile_name in profile_names:
+                result = replay_trace(trainer.runtime.step_traces[-1], get_profile(profile_name))
+                traces.append({
+                    "model": f"var-bert-small {mode}", "budget": budget_label, "budget_bytes": trainer.budget_bytes,
+                    "profile": profile_name, "simulated_step_s": result.step_s, "simulated_compute_s": result.compute_s,
+                    "simulated_stall_s": result.stall_s, "unlimited_s": result.compute_s,
+                    "events": [list(e) for e in result.events],
+                })
+    return traces
+
+
 # ---- device (a CUDA machine: torch and the standard library only) ------------------------------
 
 
@@ -441,11 +480,19 @@ def print_device_result(result: dict[str, Any]) -> None:
                   f"{r['replayed_pct_of_unlimited']:>7.1f}")
 
 
+def get_profile_dict(name: str) -> dict:
+    from graph_passes.device_profiles import get_profile
+
+    return get_profile(name).to_dict()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("traces", help="plan and simulate on this machine; write the traces")
     t.add_argument("--out", required=True)
+    t.add_argument("--dynamic", action="store_true",
+                   help="the block-wise runtime's traces instead (var-BERT small, prefetch vs on demand)")
     d = sub.add_parser("device", help="measure on a CUDA machine (torch only)")
     d.add_argument("--traces", default=None, help="traces JSON written by the traces command")
     d.add_argument("--out", required=True)
@@ -455,7 +502,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "traces":
-        result = make_traces()
+        if args.dynamic:
+            result = {"profiles": {n: get_profile_dict(n) for n in ("H100", *DYNAMIC_TRACE_PROFILES)},
+                      "traces": make_dynamic_traces()}
+        else:
+            result = make_traces()
         for t in result["traces"]:
             print(f"{t['model']} {t['budget']} {t['profile']}: {len(t['events'])} events, simulated "
                   f"{t['simulated_step_s'] * 1e3:.3f} ms ({100 * t['unlimited_s'] / t['simulated_step_s']:.1f}% of unlimited)")

@@ -45,6 +45,9 @@ class ReplayResult:
     stall_s: float  # compute-stream time spent waiting for copies
     h2d_bytes: int
     d2h_bytes: int
+    # (stream, label, start_s, end_s, nbytes) per compute or copy, the format of
+    # graph_passes.simulator's traces (benchmarks/gpu_check.py replays them on a real GPU)
+    events: tuple = ()
 
     @property
     def efficiency(self) -> float:
@@ -69,6 +72,7 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
     written: dict[str, float] = {}  # when each asynchronous write-back ends
     compute_s = stall_s = 0.0
     h2d_bytes = d2h_bytes = 0
+    timeline: list[list] = []
     for event in events:
         kind = event.kind
         if kind == "compute":
@@ -79,10 +83,12 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
             stall_s += start - now
             compute_s += durations[key]
             now = start + durations[key]
+            timeline.append(["compute", event.name, start, now, 0])
         elif kind in ("prefetch", "fault"):
             start = max(now, h2d_free)
             h2d_free = start + transfer_time(event.nbytes, profile, "h2d")
             ready[event.name] = h2d_free
+            timeline.append(["h2d", f"{kind} {event.name}", start, h2d_free, event.nbytes])
             h2d_bytes += event.nbytes
             if kind == "fault":
                 stall_s += h2d_free - now
@@ -92,6 +98,7 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
             d2h_free = start + transfer_time(event.nbytes, profile, "d2h")
             written[event.name] = d2h_free
             d2h_bytes += event.nbytes
+            timeline.append(["d2h", f"{kind} {event.name}", start, d2h_free, event.nbytes])
         elif kind == "wait_writeback":
             end = max(now, written.get(event.name, 0.0))
             stall_s += end - now
@@ -100,6 +107,7 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
             start = max(now, d2h_free)
             d2h_free = start + transfer_time(event.nbytes, profile, "d2h")
             d2h_bytes += event.nbytes
+            timeline.append(["d2h", f"{kind} {event.name}", start, d2h_free, event.nbytes])
             if kind == "writeback":
                 stall_s += d2h_free - now
                 now = d2h_free
@@ -107,4 +115,5 @@ def replay(events: Iterable, profile: DeviceProfile) -> ReplayResult:
             raise ValueError(f"unknown trace event kind {kind!r}")
     end = max(now, h2d_free, d2h_free)
     stall_s += end - now
-    return ReplayResult(step_s=end, compute_s=compute_s, stall_s=stall_s, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes)
+    return ReplayResult(step_s=end, compute_s=compute_s, stall_s=stall_s, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+                        events=tuple(timeline))
