@@ -53,6 +53,7 @@ bench: setup
 	$(PY) -m benchmarks.swap
 	$(PY) -m benchmarks.peers
 	$(PY) -m benchmarks.mimose
+	$(PY) -m benchmarks.dynn
 
 # Model-zoo regression: the nine onnx light zoo graphs and our zoo at 1.0x/0.5x/0.25x/min budgets.
 # Deltas against (and, when everything passes, a new) benchmarks/zoo-baseline.json.
