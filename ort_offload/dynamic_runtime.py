@@ -279,7 +279,7 @@ class BlockRuntime:
         self._phase = "forward"
         self._exec_block = -1  # index into the current phase's execution blocks
         self._phase_blocks: list[tuple[int, int]] = []
-        self._backward_order: list[int] = []
+        self._forward_exec_blocks = 0  # how many the forward had (the halves keep alternating after it)
         self._backward_position = 0
         self._inputs: Sequence[torch.Tensor] = ()
         self._prefetched.clear()
@@ -465,9 +465,10 @@ class BlockRuntime:
             forward_blocks = list(even_groups(range(n), max(1, round(sum(sizes) / len(sizes))))) if n else []
         # Backward position p runs invocation n - 1 - p; its blocks are the forward ones mirrored.
         self._phase_blocks = [(n - end, n - start) for start, end in reversed(forward_blocks)]
-        self._backward_order = list(range(n - 1, -1, -1))
         self._exec_block = -1
         self._forward_exec_blocks = len(forward_blocks)
+        if self._phase_blocks:
+            self._prefetch_group(0)
 
     def _enter_backward_invocation(self, index: int) -> None:
         n = len(self.invocations)
@@ -514,7 +515,7 @@ class BlockRuntime:
     def _region(self, i: int) -> tuple[int, int] | None:
         """The arena half execution block ``i`` of the current phase uses (counted across
         phases so the halves keep alternating into the backward)."""
-        offset = getattr(self, "_forward_exec_blocks", 0) if self._phase == "backward" else 0
+        offset = self._forward_exec_blocks if self._phase == "backward" else 0
         return self.policy.region(offset + i)
 
     def _prefetch_group(self, i: int) -> None:
