@@ -51,15 +51,17 @@ def updates_early(
         node = nodes[index]
         if is_order_dependent(node) or any(producer.get(n) in pinned for n in consumed_names(node)):
             pinned.add(index)
-    # Nodes the spine or a pinned node depends on keep their order.
+    # Nodes the spine depends on keep their order, and so do pinned nodes (the movable nodes
+    # a pinned one reads go right before it, at the latest).
     keep: set[int] = set()
-    stack = [producer[n] for n in targets if n in producer] + sorted(pinned)
+    stack = [producer[n] for n in targets if n in producer]
     while stack:
         index = stack.pop()
         if index in keep:
             continue
         keep.add(index)
         stack.extend(producer[n] for n in consumed_names(nodes[index]) if n in producer)
+    keep |= pinned
     movable = [index for index in order if index not in keep]
     if not movable:
         return None
@@ -103,6 +105,10 @@ def updates_early(
     for index in order:
         if index not in keep:
             continue
+        for name in consumed_names(nodes[index]):
+            p = producer.get(name)
+            if p is not None and p not in keep and p not in placed:
+                place_with_ancestors(p)  # only a pinned node reads a movable one
         result.append(index)
         ready = [k for k in waiting_on.get(index, ()) if _done(remaining, k)]
         for k in sorted(ready, key=rank.__getitem__):
@@ -114,15 +120,18 @@ def updates_early(
     return result if result != order else None
 
 
-def training_spine(roles: Mapping[str, object], state_pairs: Mapping[str, str], outputs: Iterable[str]) -> list[str]:
+def training_spine(roles: Mapping[str, object], state_pairs: Mapping[str, str], outputs: Iterable[str]) -> list[str] | None:
     """The values a training step's order is built around: every graph output that is not
-    updated state (the loss, fetches) and every gradient (values with role ``grad``). A graph
-    without gradient roles (a foreign graph) gets only its outputs: then its backward counts as
-    movable too, and :func:`updates_early` keeps it after the forward, in its order."""
+    updated state (the loss, fetches) and every gradient (values with role ``grad``); ``None``
+    for a graph without gradient roles (a foreign graph), where the backward cannot be told
+    from the updates."""
     from graph_passes.training_graph import Role
 
+    grads = [n for n, r in roles.items() if r == Role.GRAD]
+    if not grads:
+        return None
     updated = set(state_pairs.values())
-    return [o for o in outputs if o not in updated] + [n for n, r in roles.items() if r == Role.GRAD]
+    return [o for o in outputs if o not in updated] + grads
 
 
 def _done(remaining: dict[int, int], index: int) -> bool:

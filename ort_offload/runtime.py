@@ -387,7 +387,7 @@ class GraphRunner:
         state updates early; the faster, and the least budget of both."""
         base = [i for block in programs[0].blocks for i in block.node_indices]
         spine = training_spine(self.graph.roles, self.graph.state_pairs, [o.name for o in model.graph.output])
-        early = updates_early(model, spine, base)
+        early = updates_early(model, spine, base) if spine is not None else None
         if early is not None:
             early_programs = list(self.lowerings(model, infos, early))
             other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
