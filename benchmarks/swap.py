@@ -113,6 +113,16 @@ def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int):
     return runner.prepare(check_inputs(trainer.graph.model, feeds), probe_feeds=feeds)
 
 
+def _schedule_of(program) -> list[int]:
+    return [i for block in program.blocks for i in block.node_indices]
+
+
+def _default_schedule(model) -> list[int]:
+    from graph_passes.program import order_dependent_last
+
+    return order_dependent_last(model) or list(range(len(model.graph.node)))
+
+
 def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[str, float]]:
     """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget,
     replayed on it, vs the unplanned program's compute."""
@@ -138,6 +148,11 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[
             "peak_bytes": trace.peak_bytes,
             "blocks": len(prepared.program.blocks),
             "host_state_tensors": len(prepared.program.host_state),
+            # Whether the plan runs the state updates inside the backward
+            # (graph_passes.schedule.updates_early) instead of the exported order.
+            # (None: a recompute rewrite, whose own order this does not know).
+            "updates_early": (_schedule_of(prepared.program) != _default_schedule(model)
+                              if prepared.model is None or prepared.model is model else None),
             "plan_s": plan_s,
             "simulate_wall_s": sim_s,
         }

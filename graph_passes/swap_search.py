@@ -91,6 +91,7 @@ class SwapSearch:
         max_block_sizes: int = DEFAULT_MAX_BLOCK_SIZES,
         state_placements: Sequence[str] = STATE_PLACEMENTS,
         early_swap_outs: bool = True,
+        while_improving: bool = False,
     ) -> None:
         unknown = set(state_placements) - set(STATE_PLACEMENTS)
         if unknown:
@@ -100,6 +101,9 @@ class SwapSearch:
         self.state_placements = tuple(state_placements)
         # Issuing swap-outs early pays where copies overlap compute (a GPU's copy engines).
         self.early_swap_outs = early_swap_outs
+        # Go on past `max_block_sizes` while the last block size tried was the fastest so far
+        # (the trend has not turned yet), down to the smallest lowering given.
+        self.while_improving = while_improving
 
     def search(
         self,
@@ -114,10 +118,12 @@ class SwapSearch:
         decreasing block sizes, largest first); ``None`` if none plans."""
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
         best: SwapCandidate | None = None
+        last_planned: Program | None = None
         considered = []
         tried = 0
         for program in programs:
-            if tried >= self.max_block_sizes:
+            if tried >= self.max_block_sizes and not (self.while_improving and best is not None
+                                                      and best.base_program is last_planned):
                 break
             placements = self._placements(program, infos, alignment)
             planned_any = False
@@ -138,7 +144,9 @@ class SwapSearch:
                 considered.append((len(program.blocks), label, seconds))
                 if best is None or seconds < best.step_time_s:
                     best = SwapCandidate(program, plan, placed, trace, label, seconds)
-            tried += planned_any
+            if planned_any:
+                tried += 1
+                last_planned = program
         if best is None:
             return None
         logger.info(

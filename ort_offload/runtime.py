@@ -29,6 +29,7 @@ from graph_passes.program import (
 )
 from graph_passes.recompute_pass import recomputed_infos
 from graph_passes.shapes import TensorInfo
+from graph_passes.schedule import training_spine, updates_early
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
@@ -367,13 +368,44 @@ class GraphRunner:
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the device's planning profile), the least budget any of them needs, and the plan's
-        simulated step time; (None, least budget, None) if none fits."""
+        simulated step time; (None, least budget, None) if none fits.
+
+        Where copies overlap compute, the same graph is also planned with its state updates
+        run as soon as their gradients exist (:func:`graph_passes.schedule.updates_early`:
+        the optimizer's compute then hides the backward's swap-ins), and the faster of the two
+        schedules wins."""
+        profile = self.runtime.planning_profile()
+        best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
+        if profile.copies_overlap_compute and self.swap_points is None:
+            best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
+        if best is None:
+            return None, needed, None
+        return best[0], needed, best[1]
+
+    def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):
+        """``best`` ((chosen, seconds) or None) against the plan of the same graph with its
+        state updates early; the faster, and the least budget of both."""
+        base = [i for block in programs[0].blocks for i in block.node_indices]
+        spine = training_spine(self.graph.roles, self.graph.state_pairs, [o.name for o in model.graph.output])
+        early = updates_early(model, spine, base) if spine is not None else None
+        if early is not None:
+            early_programs = list(self.lowerings(model, infos, early))
+            other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
+            needed = min(needed, other_needed)
+            if other is not None and (best is None or other[1] < best[1]):
+                logger.info("swap plan for %s: state updates early (%.3g s simulated) over the given order (%s)",
+                            self.graph.name, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
+                best = other
+        return best, needed
+
+    def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
+        """:meth:`_plan_swaps` for one schedule (``programs``: lowerings of it): ((chosen,
+        seconds) or None, least budget)."""
         alignment = self.runtime.device.alignment
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
         needed = min(required_bytes(program, sizes) for program in programs)
         if needed <= budget and self.runtime.device.max_block_nodes is None and self.swap_points is None:
             # Besides N-node blocks everywhere: blocks cut only where one alone would not fit.
-            schedule = order_dependent_last(model)
             order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
 
             refined = refine_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), lambda p: (blocks_over(p, sizes, budget), None),
@@ -387,7 +419,9 @@ class GraphRunner:
             return self.simulated_time(program, infos, model, budget)
 
         if profile.copies_overlap_compute:
-            search = SwapSearch()
+            # Smaller blocks let copies start sooner: go on down the block sizes while they
+            # keep getting faster.
+            search = SwapSearch(while_improving=True)
         else:
             # Copies cost the compute's own cores whenever they run (the CPU device): nothing to
             # overlap, so Belady's own plan, with evictions where memory needs them, measured
@@ -395,14 +429,14 @@ class GraphRunner:
             search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
         result = search.search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
         if result is None:
-            return None, needed, None
+            return None, needed
         best = result.best
         logger.info(
             "swap plan for %s on %s: %d blocks, state on host %r, %d swaps, %s out / %s in per step",
             self.graph.name, profile.name, len(best.base_program.blocks), best.state_placement, best.plan.swap_count,
             format_bytes(best.plan.swap_out_bytes), format_bytes(best.plan.swap_in_bytes),
         )
-        return (best.program, best.trace, ("swap",), best.base_program, best.plan), needed, best.step_time_s
+        return ((best.program, best.trace, ("swap",), best.base_program, best.plan), best.step_time_s), needed
 
     def prepared_steps(self) -> list[PreparedStep]:
         """Every program prepared so far (one per input signature)."""
