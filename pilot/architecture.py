@@ -94,10 +94,11 @@ def build_architecture(
         block_times=tuple(float(t) for t in block_times),
         link=link or LinkModel(migration_half_bytes=1),
         candidates=candidates,
-        summary=afm_summary(profiles),
+        summary=np.zeros(0),
         one_hot=network_type_one_hot(network_type),
     )
     if link is None:
         half = migration_half_bytes or default_migration_half([arch.costs(p) for p in candidates])
         object.__setattr__(arch, "link", LinkModel(migration_half_bytes=half))
+    object.__setattr__(arch, "summary", afm_summary(profiles, arch.link.migration_half_bytes))
     return arch

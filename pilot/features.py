@@ -19,8 +19,9 @@ needs a fixed vector. The pilot's output is in *block units* (:mod:`pilot.encodi
 column by the architecture's mean block vector), so what the MLP needs from the architecture is
 what kinds of blocks there are and how many, not the op order inside a block. The summary is
 ``log1p`` of: the mean and the max of the per-block 10-vectors (ops, six idiom sums, three dim
-sums), the number of blocks, of distinct block structures, of control rows and of AFM rows
-(24 numbers). ``log1p`` keeps tiny and large configs in one numeric range.
+sums), the number of blocks, of distinct block structures, of control rows and of AFM rows, and
+the migration half over the largest block footprint (25 numbers; the last is the device, which
+the execution blocks depend on). ``log1p`` keeps tiny and large configs in one numeric range.
 
 Sample features. The model's own embedding module (``tok_emb`` / ``embedding``, else its first
 ``nn.Embedding``) embeds the ids; the pooling keeps what the zoo's paths depend on:
@@ -32,6 +33,9 @@ Sample features. The model's own embedding module (``tok_emb`` / ``embedding``, 
   (var-BERT) or "which domain token is most frequent" (MoE) stays readable;
 - the multiplicities of identical embedding rows, largest first, over ``S``: a count of
   repeats that does not depend on what the repeated token is;
+- repeat pooling, ``sum_t count_t**2 * e_t / S**2`` over distinct rows ``t``, projected to
+  ``REPEAT_POOL_DIMS``: a mean that weighs a token by how often it repeats, so the repeated
+  token (MoE's domain token, var-BERT's marker) dominates the words around it;
 - the first ``POSITION_SLOTS`` positions, each projected to one number: order, which a pooled
   vector loses and a tree's bracket structure needs.
 
@@ -78,11 +82,12 @@ NETWORK_TYPES = ("cnn", "lstm", "transformer")
 """One MLP per network type, in this order (the one-hot's order)."""
 BLOCK_VECTOR_SIZE = 1 + SIGNATURE_SIZE
 """Per-block vector: op count, then the column sums of its signatures (6 idioms, 3 dims)."""
-AFM_SUMMARY_SIZE = 2 * BLOCK_VECTOR_SIZE + 4
+AFM_SUMMARY_SIZE = 2 * BLOCK_VECTOR_SIZE + 5
 SUM_POOL_DIMS = 32
+REPEAT_POOL_DIMS = 16
 TOP_MULTIPLICITIES = 4
 POSITION_SLOTS = 24
-SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + TOP_MULTIPLICITIES + POSITION_SLOTS
+SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + REPEAT_POOL_DIMS + TOP_MULTIPLICITIES + POSITION_SLOTS
 PROJECTION_SEED = 20240607
 """Seed of the fixed random projections of the embedding (part of the feature definition)."""
 
@@ -168,14 +173,18 @@ def architecture_feature_matrix(profiles: Sequence[BlockProfile]) -> np.ndarray:
     return np.concatenate(parts, axis=0)
 
 
-def afm_summary(profiles: Sequence[BlockProfile]) -> np.ndarray:
-    """Fixed-size (:data:`AFM_SUMMARY_SIZE`) summary of the AFM (see the module docstring)."""
+def afm_summary(profiles: Sequence[BlockProfile], migration_half_bytes: int) -> np.ndarray:
+    """Fixed-size (:data:`AFM_SUMMARY_SIZE`) summary of the AFM (see the module docstring),
+    plus the device: the migration half in units of the largest block footprint (execution
+    blocks depend on it)."""
     if not profiles:
         raise ValueError("an architecture needs at least one block")
     vectors = np.stack([p.vector for p in profiles])
     afm = architecture_feature_matrix(profiles)
     control_rows = int((~afm.any(axis=1)).sum())
-    counts = [len(profiles), len({p.structure for p in profiles}), control_rows, afm.shape[0]]
+    largest = max(max(p.param_bytes + p.saved_bytes for p in profiles), 1)
+    counts = [len(profiles), len({p.structure for p in profiles}), control_rows, afm.shape[0],
+              migration_half_bytes / largest]
     return np.log1p(np.concatenate([vectors.mean(axis=0), vectors.max(axis=0), counts]))
 
 
@@ -201,17 +210,18 @@ def embedding_module(model: nn.Module) -> nn.Embedding:
     raise ValueError(f"{type(model).__name__} has no nn.Embedding: the pilot needs the model's own embedding")
 
 
-_PROJECTIONS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_PROJECTIONS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
-def _projections(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed seeded projections of a ``dim``-wide embedding: ``[dim, SUM_POOL_DIMS]`` and
-    ``[dim]`` (for the per-position scalar), both scaled by ``1 / sqrt(dim)``."""
+def _projections(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fixed seeded projections of a ``dim``-wide embedding: ``[dim, SUM_POOL_DIMS]``,
+    ``[dim, REPEAT_POOL_DIMS]`` and ``[dim]`` (the per-position scalar), scaled by ``1 / sqrt(dim)``."""
     if dim not in _PROJECTIONS:
         generator = torch.Generator().manual_seed(PROJECTION_SEED + dim)
         pool = torch.randn(dim, SUM_POOL_DIMS, generator=generator) / dim**0.5
+        repeat = torch.randn(dim, REPEAT_POOL_DIMS, generator=generator) / dim**0.5
         position = torch.randn(dim, generator=generator) / dim**0.5
-        _PROJECTIONS[dim] = (pool, position)
+        _PROJECTIONS[dim] = (pool.numpy(), repeat.numpy(), position.numpy())
     return _PROJECTIONS[dim]
 
 
@@ -222,21 +232,22 @@ def sample_features(model: nn.Module, ids: torch.Tensor) -> np.ndarray:
         raise ValueError(f"ids must be [B, S >= 1], got {tuple(ids.shape)}")
     embedding = embedding_module(model)
     with torch.no_grad():
-        embedded = embedding(ids).float()  # [B, S, D]
+        embedded = embedding(ids).float().numpy()  # [B, S, D]
     batch, seq, dim = embedded.shape
-    pool, position = _projections(dim)
-    with torch.no_grad():
-        summed = (embedded.sum(dim=1) @ pool).mean(dim=0)  # [SUM_POOL_DIMS]
-        scalars = (embedded[:, :POSITION_SLOTS] @ position).mean(dim=0)  # [min(S, slots)]
+    pool, repeat, position = _projections(dim)
+    summed = (embedded.sum(axis=1) @ pool).mean(axis=0)
+    scalars = (embedded[:, :POSITION_SLOTS] @ position).mean(axis=0)
     multiplicities = np.zeros(TOP_MULTIPLICITIES)
-    for row in embedded.numpy():
-        _, counts = np.unique(row, axis=0, return_counts=True)
+    repeated = np.zeros(REPEAT_POOL_DIMS)
+    for row in embedded:
+        rows, counts = np.unique(row, axis=0, return_counts=True)
         top = np.sort(counts)[::-1][:TOP_MULTIPLICITIES]
         multiplicities[: len(top)] += top / seq
-    multiplicities /= batch
+        repeated += (counts.astype(np.float64) ** 2 @ rows) @ repeat / seq**2
     positions = np.zeros(POSITION_SLOTS)
-    positions[: scalars.shape[0]] = scalars.numpy()
-    return np.concatenate([[np.log1p(seq), seq / POSITION_SLOTS], summed.numpy(), multiplicities, positions])
+    positions[: scalars.shape[0]] = scalars
+    return np.concatenate([[np.log1p(seq), seq / POSITION_SLOTS], summed, repeated / batch,
+                           multiplicities / batch, positions])
 
 
 def feature_size() -> int:

@@ -18,8 +18,10 @@ Mapping. Every candidate path of the static architecture (:mod:`pilot.paths`) is
 partition simulator and encoded once, when the mapper is built, into a lookup table (the paper's
 walk with running totals, done ahead of time so a lookup is a dict probe). At inference the
 de-normalized output is rounded to integers: an exact match in the table wins; otherwise the
-candidate closest in op counts (L1 over slots), ties broken by the L1 distance over all columns
-in block units. Candidates with identical encodings (Tree-LSTM trees that differ only inside an
+candidate closest in op counts: L1 over the running op-count totals at the end of each slot (the
+paper's walk with running totals; the running form weighs the path's total length most, since
+the grouping follows from the path), ties broken by the L1 distance over all columns in block
+units. Candidates with identical encodings (Tree-LSTM trees that differ only inside an
 execution block) are indistinguishable: the first is returned and :attr:`PathMapper.collisions`
 counts them.
 """
@@ -108,7 +110,7 @@ class PathMapper:
             self.blocks.append(blocks)
             encodings.append(code)
         table = np.stack(encodings).astype(np.float64)
-        self.table_ops = table.reshape(len(self.paths), MAX_EXECUTION_BLOCKS, -1)[:, :, 0].copy()
+        self.table_ops = np.cumsum(table.reshape(len(self.paths), MAX_EXECUTION_BLOCKS, -1)[:, :, 0], axis=1)
         self.table_units = table / self.scale
 
     def target(self, path: Sequence[int]) -> np.ndarray:
@@ -124,7 +126,7 @@ class PathMapper:
         hit = self.exact.get(key)
         if hit is not None:
             return hit, True, key
-        ops = code.reshape(MAX_EXECUTION_BLOCKS, -1)[:, 0]
+        ops = np.cumsum(code.reshape(MAX_EXECUTION_BLOCKS, -1)[:, 0])
         distance = np.abs(self.table_ops - ops).sum(axis=1)
         close = np.flatnonzero(distance <= distance.min() + 0.5)
         if close.size > 1:

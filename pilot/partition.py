@@ -223,12 +223,34 @@ def best_even_split(costs: Sequence[InvocationCost], link: LinkModel, by: str) -
     return best
 
 
+HALF_IN_INVOCATIONS = 4
+"""The default migration half holds this many of the model's largest block invocations."""
+
+
+def _greedy_blocks(costs: Sequence[InvocationCost], cap: int) -> int | None:
+    """Blocks greedy packing needs under ``cap`` (None if one invocation alone exceeds it)."""
+    blocks, start = 0, 0
+    while start < len(costs):
+        end = start
+        while end < len(costs):
+            _, p, a = _block_stats(costs, start, end + 1)
+            if p + a > cap:
+                break
+            end += 1
+        if end == start:
+            return None
+        blocks, start = blocks + 1, end
+    return blocks
+
+
 def default_migration_half(paths_costs: Sequence[Sequence[InvocationCost]], max_blocks: int = MAX_EXECUTION_BLOCKS) -> int:
-    """A migration half that makes every given path partitionable into ``max_blocks`` blocks
-    and still forces a choice: ``max(2 * largest invocation footprint, 2 * largest path
-    footprint / (max_blocks - 1))``. With a cap ``H >= 2 * item``, greedy packing closes a block
-    only when it and the next item exceed ``H``, so a path of footprint ``F`` needs at most
-    ``2F / H + 1 <= max_blocks`` blocks."""
-    largest_item = max((c.param_bytes + c.saved_bytes for costs in paths_costs for c in costs), default=1)
-    largest_path = max((sum(c.param_bytes + c.saved_bytes for c in costs) for costs in paths_costs), default=1)
-    return int(max(2 * largest_item, np.ceil(2 * largest_path / max(max_blocks - 1, 1))))
+    """The device's migration half for a model: :data:`HALF_IN_INVOCATIONS` times its largest
+    invocation footprint, doubled until every given path fits ``max_blocks`` blocks (greedy
+    packing). It depends on the blocks, not on which paths the family allows, so two models
+    made of the same blocks (fixed- and var-LSTM) get the same half and the same labels for
+    the same path."""
+    largest = max((c.param_bytes + c.saved_bytes for costs in paths_costs for c in costs), default=1)
+    half = HALF_IN_INVOCATIONS * max(largest, 1)
+    while any((_greedy_blocks(costs, half) or max_blocks + 1) > max_blocks for costs in paths_costs):
+        half *= 2
+    return int(half)
