@@ -110,8 +110,27 @@ class PathMapper:
             self.blocks.append(blocks)
             encodings.append(code)
         table = np.stack(encodings).astype(np.float64)
-        self.table_ops = np.cumsum(table.reshape(len(self.paths), MAX_EXECUTION_BLOCKS, -1)[:, :, 0], axis=1)
-        self.table_units = table / self.scale
+        # Running op totals at the end of each slot = code @ cumulative, one product per call.
+        cumulative = np.zeros((output_size(), MAX_EXECUTION_BLOCKS))
+        for slot in range(MAX_EXECUTION_BLOCKS):
+            cumulative[[k * SLOT_COLUMNS for k in range(slot + 1)], slot] = 1.0
+        running = table @ cumulative
+        self._scaled_cumulative = self.scale[:, None] * cumulative  # block units -> running op totals
+        # Candidates with equal running op totals form a group; within it the full encoding decides.
+        groups: dict[bytes, list[int]] = {}
+        for index, row in enumerate(running):
+            groups.setdefault(row.tobytes(), []).append(index)
+        self._group_running = np.stack([running[members[0]] for members in groups.values()])
+        self._group_members = [np.asarray(members) for members in groups.values()]
+        # Within a group only the columns that differ between its members matter.
+        self._group_columns, self._group_units, self._group_ones = [], [], []
+        for members in groups.values():
+            units = table[members] / self.scale
+            columns = np.flatnonzero(units.max(axis=0) > units.min(axis=0))
+            self._group_columns.append(columns)
+            self._group_units.append(np.ascontiguousarray(units[:, columns], dtype=np.float32))
+            self._group_ones.append(np.ones(columns.size, dtype=np.float32))
+        self._ones_slots = np.ones(MAX_EXECUTION_BLOCKS)
 
     def target(self, path: Sequence[int]) -> np.ndarray:
         """The training target of ``path``: its encoding in block units (float32)."""
@@ -121,15 +140,18 @@ class PathMapper:
     def map(self, raw: np.ndarray) -> tuple[int, bool, bytes]:
         """Index into :attr:`paths` / :attr:`blocks` of the candidate for ``raw`` (block units,
         [output_size()]), whether it matched exactly, and the rounded output as the cache key."""
-        code = np.rint(raw * self.scale).astype(np.int64)
-        key = code.tobytes()
+        code = np.rint(raw * self.scale)
+        key = code.astype(np.int64).tobytes()
         hit = self.exact.get(key)
         if hit is not None:
             return hit, True, key
-        ops = np.cumsum(code.reshape(MAX_EXECUTION_BLOCKS, -1)[:, 0])
-        distance = np.abs(self.table_ops - ops).sum(axis=1)
-        close = np.flatnonzero(distance <= distance.min() + 0.5)
-        if close.size > 1:
-            full = np.abs(self.table_units[close] - raw).sum(axis=1)
-            return int(close[np.argmin(full)]), False, key
-        return int(close[0]), False, key
+        if len(self._group_members) == 1:
+            group = 0
+        else:
+            distance = np.abs(self._group_running - raw @ self._scaled_cumulative) @ self._ones_slots
+            group = int(distance.argmin())
+        members = self._group_members[group]
+        if members.shape[0] == 1:
+            return int(members[0]), False, key
+        closest = int((np.abs(self._group_units[group] - raw[self._group_columns[group]]) @ self._group_ones[group]).argmin())
+        return int(members[closest]), False, key
