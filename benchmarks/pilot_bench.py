@@ -13,7 +13,8 @@ Run ``python -m benchmarks.pilot_bench [--pilot PATH] [--samples N] [--calls N] 
    prebuilt (``Pilot.run``, one thread, IOBinding: ``inference_us``) and of the mapping alone
    (``PathMapper.map`` on that output: ``mapping_us``), medians and 90th percentiles; plus the
    feature building (the model's embedding and pooling) for reference.
-3. **Partition**: for the test paths of each family, simulated time of the partition
+3. **Partition**: for the test paths of each family's ``--partition-config`` (default
+   ``small``: tiny blocks are too small for copies to matter), simulated time of the partition
    simulator's execution blocks against the best even split by op count, by time and by bytes
    (each with its best number of blocks that fits the migration half); ratios > 1 mean the
    even split is slower. Two regimes: block times as measured on this CPU (compute-bound: the
@@ -56,14 +57,58 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def _partition_comparison(family: str, config: str, samples: int) -> dict[str, Any]:
+    """Partition simulator vs the best even splits on ``samples`` paths of ``family``/``config``
+    (``tiny`` when ``config``'s path space is too large to enumerate), in both regimes."""
+    from dataclasses import replace
+
+    from models.dynamic import get_dynamic_model
+    from ort_offload.pilot_support import pilot_architecture
+    from pilot.partition import EVEN_SPLIT_KINDS, best_even_split, partition, simulate
+    from pilot.paths import PathSpaceTooLargeError
+
+    try:
+        spec = get_dynamic_model(family, config)
+        arch = pilot_architecture(spec)
+    except PathSpaceTooLargeError:
+        config = "tiny"
+        spec = get_dynamic_model(family, config)
+        arch = pilot_architecture(spec)
+    out: dict[str, Any] = {"config": config, "migration_half_bytes": arch.link.migration_half_bytes,
+                           "bandwidth": arch.link.bandwidth, "block_overhead_s": arch.link.block_overhead_s}
+    for regime, factor in REGIMES.items():
+        ratios: dict[str, list[float]] = {k: [] for k in EVEN_SPLIT_KINDS}
+        fits, optimal_blocks, optimal_times = True, [], []
+        for i in range(samples):
+            (ids,), _ = spec.make_batch(1, seed=TEST_SEED + i)
+            costs = [replace(c, time_s=c.time_s * factor) for c in arch.costs(tuple(spec.model.path(ids)))]
+            blocks = partition(costs, arch.link)
+            optimum = simulate(costs, blocks, arch.link)
+            fits &= optimum.fits
+            optimal_blocks.append(len(blocks))
+            optimal_times.append(optimum.time_s)
+            for kind in EVEN_SPLIT_KINDS:
+                even = best_even_split(costs, arch.link, kind)
+                if even is not None:
+                    ratios[kind].append(simulate(costs, even, arch.link).time_s / optimum.time_s)
+        out[regime] = {
+            "compute_time_factor": factor,
+            "optimal_fits_half": fits,
+            "optimal_blocks_mean": float(np.mean(optimal_blocks)),
+            "optimal_time_us_mean": float(np.mean(optimal_times) * 1e6),
+            **{f"even_{k}_over_optimal_mean": float(np.mean(v)) if v else None for k, v in ratios.items()},
+            **{f"even_{k}_over_optimal_max": float(np.max(v)) if v else None for k, v in ratios.items()},
+        }
+    return out
+
+
 def measure_pilot(*, pilot_path: str | Path | None = None, samples: int = DEFAULT_SAMPLES, calls: int = DEFAULT_CALLS,
-                  families: Sequence[str] = FAMILIES, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                  families: Sequence[str] = FAMILIES, partition_config: str = "small",
+                  log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Measure the pilot (see the module docstring); returns the result document."""
     from models.dynamic import get_dynamic_model
     from ort_offload.pilot_support import pilot_architecture
     from pilot.inference import DEFAULT_PILOT_PATH, Pilot
-    from pilot.partition import EVEN_SPLIT_KINDS, best_even_split, simulate
-
     path = Path(pilot_path) if pilot_path else DEFAULT_PILOT_PATH
     pilot = Pilot(path)
     meta = pilot.session.get_modelmeta().custom_metadata_map
@@ -113,36 +158,10 @@ def measure_pilot(*, pilot_path: str | Path | None = None, samples: int = DEFAUL
         row["inference_us"] = {"median": statistics.median(inference), "p90": _percentile(inference, 90)}
         row["mapping_us"] = {"median": statistics.median(mapping), "p90": _percentile(mapping, 90)}
         row["features_us"] = {"median": statistics.median(building), "p90": _percentile(building, 90)}
-        # partition vs even splits over the test paths, per regime
-        from dataclasses import replace as _replace
-
-        from pilot.partition import partition as _partition
-
-        row["partition"] = {}
-        for regime, factor in REGIMES.items():
-            ratios: dict[str, list[float]] = {k: [] for k in EVEN_SPLIT_KINDS}
-            fits = True
-            optimal_blocks = []
-            for i in range(samples):
-                (ids,), _ = spec.make_batch(1, seed=TEST_SEED + i)
-                truth = tuple(spec.model.path(ids))
-                costs = [_replace(c, time_s=c.time_s * factor) for c in arch.costs(truth)]
-                blocks = _partition(costs, arch.link)
-                optimum = simulate(costs, blocks, arch.link)
-                fits &= optimum.fits
-                optimal_blocks.append(len(blocks))
-                for kind in EVEN_SPLIT_KINDS:
-                    even = best_even_split(costs, arch.link, kind)
-                    if even is not None:
-                        ratios[kind].append(simulate(costs, even, arch.link).time_s / optimum.time_s)
-            row["partition"][regime] = {
-                "compute_time_factor": factor,
-                "optimal_fits_half": fits,
-                "optimal_blocks_mean": float(np.mean(optimal_blocks)),
-                **{f"even_{k}_over_optimal_mean": float(np.mean(v)) if v else None for k, v in ratios.items()},
-                **{f"even_{k}_over_optimal_max": float(np.max(v)) if v else None for k, v in ratios.items()},
-            }
         result["families"][family] = row
+    for family in families:
+        log(f"partition: {family}")
+        result["families"][family]["partition"] = _partition_comparison(family, partition_config, samples)
     rows = result["families"].values()
     held = [r["batch1"]["exact_path"] for r in rows if r["held_out"]]
     result["summary"] = {
@@ -192,6 +211,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="test batches per family and batch size")
     parser.add_argument("--calls", type=int, default=DEFAULT_CALLS, help="timed calls per family")
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--partition-config", default="small",
+                        help="config of the partition comparison (default small; tiny where small's paths are too many)")
+    parser.add_argument("--result-file", default=RESULT_FILE, help=f"JSON file name (default {RESULT_FILE})")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results/<date>)")
     args = parser.parse_args(argv)
     if args.samples < 1 or args.calls < 1:
@@ -208,9 +230,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     return bench.run_main(
-        module="benchmarks.pilot_bench", result_file=RESULT_FILE, argv=argv, out=args.out, table_width=TABLE_WIDTH,
+        module="benchmarks.pilot_bench", result_file=args.result_file, argv=argv, out=args.out, table_width=TABLE_WIDTH,
         measure=lambda log: measure_pilot(pilot_path=args.pilot, samples=args.samples, calls=args.calls,
-                                          families=args.families, log=log),
+                                          families=args.families, partition_config=args.partition_config, log=log),
         print_table=print_table,
     )
 

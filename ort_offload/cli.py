@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     pilot_sub = pilot.add_subparsers(dest="pilot_command", required=True)
     pilot_train = pilot_sub.add_parser("train", help="train the pilot on the dynamic zoo and write pilot.onnx + pilot-report.json")
     pilot_train.add_argument("--out", default=".", help="existing directory for pilot.onnx and pilot-report.json (default .)")
-    pilot_train.add_argument("--samples", type=int, default=None, help="training samples per family (default 1500)")
+    pilot_train.add_argument("--samples", type=int, default=None, help="training samples per family (default 4000)")
     pilot_train.add_argument("--test-samples", type=int, default=None, help="test samples per family (default 200)")
-    pilot_train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000)")
+    pilot_train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 6000)")
     pilot_train.add_argument("--hidden", type=int, default=None, help="width of each MLP layer (default 48)")
     pilot_train.add_argument("--holdout", default=None,
                              help="comma list of families kept out of training, or 'none' (default var-lstm,var-bert)")

@@ -36,6 +36,11 @@ Sample features. The model's own embedding module (``tok_emb`` / ``embedding``, 
 - repeat pooling, ``sum_t count_t**2 * e_t / S**2`` over distinct rows ``t``, projected to
   ``REPEAT_POOL_DIMS``: a mean that weighs a token by how often it repeats, so the repeated
   token (MoE's domain token, var-BERT's marker) dominates the words around it;
+- a hashed count of identical embedding rows: each distinct row of the embedded sample goes to
+  bucket ``crc32(row bytes) % HASH_BUCKETS`` and the buckets count positions. A given token
+  always lands in the same bucket, so "how many times does the marker / a domain token occur"
+  is one input (plus collisions), readable by a linear layer; a sum-pooled vector mixes it with
+  every other token. This is a hashed bag of tokens, seen through the embedding;
 - the first ``POSITION_SLOTS`` positions, each projected to one number: order, which a pooled
   vector loses and a tree's bracket structure needs.
 
@@ -48,6 +53,7 @@ batch share one path, so per-row features are averaged over the batch.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,11 +89,12 @@ NETWORK_TYPES = ("cnn", "lstm", "transformer")
 BLOCK_VECTOR_SIZE = 1 + SIGNATURE_SIZE
 """Per-block vector: op count, then the column sums of its signatures (6 idioms, 3 dims)."""
 AFM_SUMMARY_SIZE = 2 * BLOCK_VECTOR_SIZE + 5
-SUM_POOL_DIMS = 32
-REPEAT_POOL_DIMS = 16
+SUM_POOL_DIMS = 16
+REPEAT_POOL_DIMS = 8
 TOP_MULTIPLICITIES = 4
+HASH_BUCKETS = 64
 POSITION_SLOTS = 24
-SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + REPEAT_POOL_DIMS + TOP_MULTIPLICITIES + POSITION_SLOTS
+SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + REPEAT_POOL_DIMS + TOP_MULTIPLICITIES + HASH_BUCKETS + POSITION_SLOTS
 PROJECTION_SEED = 20240607
 """Seed of the fixed random projections of the embedding (part of the feature definition)."""
 
@@ -239,15 +246,18 @@ def sample_features(model: nn.Module, ids: torch.Tensor) -> np.ndarray:
     scalars = (embedded[:, :POSITION_SLOTS] @ position).mean(axis=0)
     multiplicities = np.zeros(TOP_MULTIPLICITIES)
     repeated = np.zeros(REPEAT_POOL_DIMS)
+    buckets = np.zeros(HASH_BUCKETS)
     for row in embedded:
         rows, counts = np.unique(row, axis=0, return_counts=True)
         top = np.sort(counts)[::-1][:TOP_MULTIPLICITIES]
         multiplicities[: len(top)] += top / seq
         repeated += (counts.astype(np.float64) ** 2 @ rows) @ repeat / seq**2
+        for distinct, count in zip(rows, counts):
+            buckets[zlib.crc32(distinct.tobytes()) % HASH_BUCKETS] += count
     positions = np.zeros(POSITION_SLOTS)
     positions[: scalars.shape[0]] = scalars
     return np.concatenate([[np.log1p(seq), seq / POSITION_SLOTS], summed, repeated / batch,
-                           multiplicities / batch, positions])
+                           multiplicities / batch, buckets / batch, positions])
 
 
 def feature_size() -> int:

@@ -60,12 +60,12 @@ __all__ = [
 ]
 
 DEFAULT_HOLDOUT = ("var-lstm", "var-bert")
-DEFAULT_SAMPLES = 1500
+DEFAULT_SAMPLES = 4000
 """Training samples per family (spread over its variants)."""
 DEFAULT_TEST_SAMPLES = 200
 """Test samples per family (its tiny config, disjoint seeds)."""
 TEST_SEED_OFFSET = 1_000_003
-DEFAULT_STEPS = 3000
+DEFAULT_STEPS = 6000
 DEFAULT_LR = 3e-3
 DEFAULT_BATCH = 256
 OP_COLUMN_WEIGHT = 4.0
