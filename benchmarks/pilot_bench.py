@@ -202,7 +202,8 @@ def print_table(result: dict[str, Any], console) -> None:
     console.print(f"inference median max {s['inference_us_median_max']:.1f} µs (target {INFERENCE_TARGET_US}: "
                   f"{'ok' if s['inference_ok'] else 'MISSED'}); mapping median max {s['mapping_us_median_max']:.1f} µs "
                   f"(target {MAPPING_TARGET_US}: {'ok' if s['mapping_ok'] else 'MISSED'}); held-out exact path min "
-                  f"{s['held_out_exact_path_min']} (target {HELD_OUT_TARGET}: {'ok' if s['held_out_ok'] else 'MISSED'})")
+                  f"{s['held_out_exact_path_min']} (target {HELD_OUT_TARGET}: "
+                  f"{'n/a, nothing held out' if s['held_out_exact_path_min'] is None else 'ok' if s['held_out_ok'] else 'MISSED'})")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
