@@ -71,3 +71,27 @@ def test_sample_features_keep_length_and_marker_counts():
     (ids,), _ = spec.make_batch(4, seed=5, key=2)
     rows = np.mean([sample_features(spec.model, ids[i : i + 1]) for i in range(4)], axis=0)
     np.testing.assert_allclose(sample_features(spec.model, ids), rows, rtol=1e-5, atol=1e-5)
+
+
+def test_trace_records_the_path_and_round_trips_as_json():
+    from pilot.traces import Trace, median_block_times, record_trace
+
+    spec, arch = spec_and_architecture("tree-lstm")
+    (ids,), _ = spec.make_batch(2, seed=11)
+    trace = record_trace(spec.name, spec.model, (ids,), arch.profiles)
+    assert trace.path == tuple(spec.model.path(ids))
+    assert all(i.time_s > 0 and i.ops == len(arch.profiles[i.block].op_types) for i in trace.invocations)
+    assert Trace.from_json(trace.to_json()) == trace
+    times = median_block_times([trace], arch.profiles)
+    assert len(times) == len(arch.profiles) and all(t > 0 for t in times)
+
+
+def test_pilot_package_does_not_import_the_runtime():
+    import pathlib
+    import re
+
+    import pilot
+
+    root = pathlib.Path(pilot.__file__).parent
+    offenders = [p.name for p in root.glob("*.py") if re.search(r"^\s*(from|import)\s+ort_offload", p.read_text(), re.M)]
+    assert offenders == []

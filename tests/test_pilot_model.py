@@ -80,7 +80,9 @@ def test_pilot_predicts_through_the_onnx_session(small_run):
         pilot.predict(spec_and_architecture("fixed-lstm")[0].model, (ids,))
 
 
-def test_committed_pilot_loads_with_this_code():
-    pilot = Pilot(DEFAULT_PILOT_PATH)
+@pytest.mark.parametrize("name", ["pilot.onnx", "pilot-holdout.onnx"])
+def test_committed_pilots_load_with_this_code(name):
+    path = DEFAULT_PILOT_PATH.with_name(name)
+    pilot = Pilot(path)
     assert pilot.session.get_inputs()[0].shape == [1, feature_size()]
-    assert DEFAULT_PILOT_PATH.stat().st_size < 200 * 1024
+    assert path.stat().st_size < 200 * 1024
