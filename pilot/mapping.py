@@ -115,12 +115,15 @@ class PathMapper:
         for slot in range(MAX_EXECUTION_BLOCKS):
             cumulative[[k * SLOT_COLUMNS for k in range(slot + 1)], slot] = 1.0
         running = table @ cumulative
-        self._scaled_cumulative = self.scale[:, None] * cumulative  # block units -> running op totals
+        # float32 throughout the hot path: the pilot's output is float32, and a mixed-type
+        # product pays a conversion per call.
+        self._scale32 = self.scale.astype(np.float32)
+        self._scaled_cumulative = (self.scale[:, None] * cumulative).astype(np.float32)  # block units -> running op totals
         # Candidates with equal running op totals form a group; within it the full encoding decides.
         groups: dict[bytes, list[int]] = {}
         for index, row in enumerate(running):
             groups.setdefault(row.tobytes(), []).append(index)
-        self._group_running = np.stack([running[members[0]] for members in groups.values()])
+        self._group_running = np.stack([running[members[0]] for members in groups.values()]).astype(np.float32)
         self._group_members = [np.asarray(members) for members in groups.values()]
         # Within a group only the columns that differ between its members matter.
         self._group_columns, self._group_units, self._group_ones = [], [], []
@@ -130,7 +133,7 @@ class PathMapper:
             self._group_columns.append(columns)
             self._group_units.append(np.ascontiguousarray(units[:, columns], dtype=np.float32))
             self._group_ones.append(np.ones(columns.size, dtype=np.float32))
-        self._ones_slots = np.ones(MAX_EXECUTION_BLOCKS)
+        self._ones_slots = np.ones(MAX_EXECUTION_BLOCKS, dtype=np.float32)
 
     def target(self, path: Sequence[int]) -> np.ndarray:
         """The training target of ``path``: its encoding in block units (float32)."""
@@ -140,8 +143,7 @@ class PathMapper:
     def map(self, raw: np.ndarray) -> tuple[int, bool, bytes]:
         """Index into :attr:`paths` / :attr:`blocks` of the candidate for ``raw`` (block units,
         [output_size()]), whether it matched exactly, and the rounded output as the cache key."""
-        code = np.rint(raw * self.scale)
-        key = code.astype(np.int64).tobytes()
+        key = np.rint(raw * self._scale32).astype(np.int64).tobytes()
         hit = self.exact.get(key)
         if hit is not None:
             return hit, True, key
