@@ -8,6 +8,7 @@ Importing this package registers every op of the set in :data:`default_registry`
 
 from custom_ops.registry import DOMAIN, OPSET_VERSION, OpDefinition, OpRegistry, default_registry
 from custom_ops.swap import SWAP_IN, SWAP_OUT, attach_functions, make_swap_in, make_swap_out
+from custom_ops.pilot import PILOT_MODEL_INFERENCE, make_pilot_graph
 
 __all__ = [
     "DOMAIN",
@@ -20,4 +21,6 @@ __all__ = [
     "attach_functions",
     "make_swap_in",
     "make_swap_out",
+    "PILOT_MODEL_INFERENCE",
+    "make_pilot_graph",
 ]

@@ -1,9 +1,10 @@
-"""The ``ort-offload`` command line: ``train``, ``export``, ``run``, ``transform``, ``inspect``, ``zoo``.
+"""The ``ort-offload`` command line: ``train``, ``export``, ``run``, ``transform``, ``inspect``, ``zoo``, ``pilot train``.
 
 ``train`` trains a zoo model under a budget and prints the report; ``export`` writes a zoo
 model's training step as ONNX; ``run`` executes any training-step ONNX file under a budget;
 ``transform`` writes the plan for a budget into a graph; ``inspect`` summarises a graph;
-``zoo`` runs the model-zoo regression (exit code 1 when a model regresses). ``run``,
+``zoo`` runs the model-zoo regression (exit code 1 when a model regresses); ``pilot train``
+trains the DyNN-Offload pilot on the dynamic zoo (:mod:`pilot.train`). ``run``,
 ``transform`` and ``inspect`` also take the ``training_model.onnx`` of ORT's ``generate_artifacts``
 (:mod:`ort_offload.ort_artifacts`; its kernels need ``.venv-compat``).
 Every user error prints one line and exits with code 2; nothing is left half-written.
@@ -100,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="concrete shape of an input with symbolic dims, e.g. ids=8x128 (repeatable)")
     _add_common_run_options(run)
 
+    pilot = sub.add_parser("pilot", help="the DyNN-Offload pilot model: offline training")
+    pilot_sub = pilot.add_subparsers(dest="pilot_command", required=True)
+    pilot_train = pilot_sub.add_parser("train", help="train the pilot on the dynamic zoo and write pilot.onnx + pilot-report.json")
+    pilot_train.add_argument("--out", default=".", help="existing directory for pilot.onnx and pilot-report.json (default .)")
+    pilot_train.add_argument("--samples", type=int, default=None, help="training samples per family (default 4000)")
+    pilot_train.add_argument("--test-samples", type=int, default=None, help="test samples per family (default 200)")
+    pilot_train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 6000)")
+    pilot_train.add_argument("--hidden", type=int, default=None, help="width of each MLP layer (default 48)")
+    pilot_train.add_argument("--holdout", default=None,
+                             help="comma list of families kept out of training, or 'none' (default var-lstm,var-bert)")
+    pilot_train.add_argument("--families", default=None, help="comma list of families to use (default: all six)")
+    pilot_train.add_argument("--seed", type=int, default=0)
+    pilot_train.add_argument("--quiet", action="store_true", help="no table")
+
     zoo = sub.add_parser("zoo", help="model-zoo regression: onnx light models and our zoo at several budgets")
     zoo.add_argument("--quick", action="store_true",
                      help="fast subset for CI: two light models and our tiny zoo at 0.5x")
@@ -137,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "zoo":
             return _zoo(args)
+        if args.command == "pilot":
+            return _pilot_train(args)
         return _run(args)
     except (OffloadError, ZooUnknownModel) as e:
         print(f"ort-offload: error: {e}", file=sys.stderr)
@@ -468,6 +485,46 @@ def _inspect(args) -> int:
     if args.json_path:
         write_json(summary, args.json_path)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _pilot_train(args) -> int:
+    from ort_offload.errors import OffloadError
+
+    from pilot import train as pilot_train
+
+    out = Path(args.out)
+    if not out.is_dir():
+        raise OffloadError(f"--out {args.out}: not an existing directory")
+    for name in ("samples", "test_samples", "steps", "hidden"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise OffloadError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    def families(text, default):
+        if text is None:
+            return default
+        if text.strip().lower() == "none":
+            return ()
+        return tuple(f.strip() for f in text.split(",") if f.strip())
+
+    holdout = families(args.holdout, pilot_train.DEFAULT_HOLDOUT)
+    chosen = families(args.families, tuple(pilot_train.TRAIN_VARIANTS))
+    known = set(pilot_train.TRAIN_VARIANTS)
+    unknown = sorted((set(holdout) | set(chosen)) - known)
+    if unknown:
+        raise OffloadError(f"unknown families {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if not set(chosen) - set(holdout):
+        raise OffloadError("every family is held out: nothing to train on")
+    from ort_offload.pilot_support import pilot_architecture
+
+    options = {k: v for k, v in (("samples", args.samples), ("test_samples", args.test_samples),
+                                 ("steps", args.steps), ("hidden", args.hidden)) if v is not None}
+    result = pilot_train.train_pilot(pilot_architecture, holdout=holdout, families=chosen, seed=args.seed, **options)
+    model_path, report_path = pilot_train.write_outputs(result, out)
+    if not args.quiet:
+        print(pilot_train.format_report(result.report))
+    print(f"wrote {model_path} and {report_path}")
     return 0
 
 
