@@ -2,6 +2,10 @@
 
 Run ``python -m benchmarks.dynn [--quick] [--out DIR] [--predictor pilot|oracle]``.
 
+0. **Pilot** (:mod:`benchmarks.pilot_bench`): the pilot trained with var-LSTM and var-BERT held
+   out (``pilot/pilot-holdout.onnx``): exact-path and per-block accuracy per family, inference
+   and mapping microseconds, partition simulator vs even splits. The runtime's predictor in
+   sections 2 and 3 is the all-family pilot (``pilot/pilot.onnx``) unless ``--predictor oracle``.
 1. **Capacity** (var-BERT ``deep``: d_model 128, 4 heads, sequences of 64, batch 8; every batch
    takes the full depth): the budget is fixed at the no-offload peak of the
    ``base_layers``-layer model. "Without ort_offload" is the same runtime with the whole model
@@ -23,7 +27,8 @@ Run ``python -m benchmarks.dynn [--quick] [--out DIR] [--predictor pilot|oracle]
    is also replayed on the V100 and H100 profiles (:mod:`graph_passes.trace_replay`): simulated
    step time as % of the same step with unlimited memory.
 3. **Mispredictions** over ``samples`` single-sample batches of every dynamic family: training
-   steps with the predictor, with and without the misprediction cache.
+   steps with the predictor, with and without the misprediction cache (a batch whose raw pilot
+   output equals an earlier mispredicted one's gets that batch's true path).
 
 JSON goes to ``benchmarks/results/<YYYY-MM-DD>/dynn.json`` (or ``--out DIR``).
 """
@@ -59,12 +64,14 @@ class Settings:
     time_first_key: int | None = 4  # the warm-up batch takes the deepest path: budgets are fractions of its peak
     misprediction_families: tuple[str, ...] = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm")
     samples: int = 1000
+    pilot_samples: int = 200
+    pilot_calls: int = 3000
 
 
 FULL = Settings()
 QUICK = Settings(capacity_config="deep", base_layers=8, max_layers=16, time_model="moe", time_config="tiny",
                  time_steps=3, time_first_key=None,
-                 misprediction_families=("var-bert", "moe"), samples=40)
+                 misprediction_families=("var-bert", "moe"), samples=40, pilot_samples=20, pilot_calls=300)
 
 
 def make_predictor(kind: str) -> Callable[[Any], Any]:
@@ -74,9 +81,11 @@ def make_predictor(kind: str) -> Callable[[Any], Any]:
     if kind == "oracle":
         return lambda spec: OraclePredictor()
     if kind == "pilot":
-        from ort_offload.pilot_support import pilot_for_spec
+        from ort_offload.pilot_support import make_pilot
+        from pilot.inference import Pilot
 
-        return pilot_for_spec
+        shared = Pilot()  # the committed all-family pilot; one session serves every model
+        return lambda spec: make_pilot(spec, pilot=shared)
     raise SystemExit(f"unknown predictor {kind!r}: use pilot or oracle")
 
 
@@ -281,11 +290,13 @@ def run_mispredictions(settings: Settings, predictor_factory, log) -> dict:
 def run(settings: Settings, predictor: str, sections: Sequence[str], log) -> dict:
     factory = make_predictor(predictor)
     result: dict[str, Any] = {"benchmark": "dynn", "settings": dataclasses.asdict(settings), "predictor": predictor}
-    if "pilot" in sections and predictor == "pilot":
-        from ort_offload.pilot_support import pilot_benchmark
+    if "pilot" in sections:
+        from benchmarks.pilot_bench import measure_pilot
+        from pilot.inference import DEFAULT_PILOT_PATH
 
-        log("pilot: accuracy and inference/mapping time")
-        result["pilot"] = pilot_benchmark(log=log)
+        log("pilot: accuracy (held-out families), inference and mapping time, partitions")
+        result["pilot"] = measure_pilot(pilot_path=DEFAULT_PILOT_PATH.with_name("pilot-holdout.onnx"),
+                                        samples=settings.pilot_samples, calls=settings.pilot_calls, log=log)
     if "capacity" in sections:
         log("capacity (var-BERT deep)")
         result["capacity"] = run_capacity(settings, log)
@@ -306,7 +317,9 @@ def _targets(result: dict) -> dict:
         targets["capacity_ratio_ge_8"] = capacity["ratio"] >= 8
     pilot = result.get("pilot")
     if pilot:
-        targets.update(pilot.get("targets", {}))
+        summary = pilot["summary"]
+        targets.update({"pilot_inference_us_le_30": summary["inference_ok"], "pilot_mapping_us_le_15": summary["mapping_ok"],
+                        "held_out_exact_path_ge_0.95": summary["held_out_ok"]})
     return targets
 
 
@@ -315,6 +328,10 @@ def print_table(result: dict, console) -> None:
 
     from ort_offload.budget import format_bytes
 
+    if result.get("pilot"):
+        from benchmarks.pilot_bench import print_table as print_pilot_table
+
+        print_pilot_table(result["pilot"], console)
     capacity = result.get("capacity")
     if capacity:
         table = Table(title=f"capacity: var-BERT deep at budget {format_bytes(capacity['budget_bytes'])} "

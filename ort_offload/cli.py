@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
     train.add_argument("--cache-dir", default=None, help="export cache directory")
-    train.add_argument("--predictor", default="oracle", choices=["oracle", "none", "wrong"],
-                       help="dynamic models: who predicts each batch's path for prefetching (oracle: the true path; "
-                            "none: every fetch on demand; wrong: always mispredicted, for testing)")
+    train.add_argument("--predictor", default="pilot", choices=["pilot", "oracle", "none", "wrong"],
+                       help="dynamic models: who predicts each batch's path for prefetching (pilot: the trained pilot "
+                            "model, default; oracle: the true path; none: every fetch on demand; wrong: always "
+                            "mispredicted, for testing)")
     train.add_argument("--misprediction-log", default=None, help="dynamic models: append mispredicted batches (JSON lines)")
     _add_common_run_options(train)
 
@@ -293,7 +294,12 @@ def _train_dynamic(args, device) -> int:
         spec = get_dynamic_model(args.model, args.config, seed=args.seed)
     except ValueError as e:
         raise UnknownModelError(str(e)) from e
-    predictor = {"oracle": OraclePredictor, "none": NoPredictor, "wrong": WrongPredictor}[args.predictor]()
+    if args.predictor == "pilot":
+        from ort_offload.pilot_support import make_pilot
+
+        predictor = make_pilot(spec)
+    else:
+        predictor = {"oracle": OraclePredictor, "none": NoPredictor, "wrong": WrongPredictor}[args.predictor]()
     trainer = BlockwiseTrainer(
         spec.model, spec.loss_fn, device=device, predictor=predictor, optimizer=args.optimizer,
         lr=args.lr if args.lr is not None else 1e-3, name=f"{spec.name}-{spec.config_name}",

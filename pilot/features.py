@@ -232,12 +232,14 @@ def _projections(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _PROJECTIONS[dim]
 
 
-def sample_features(model: nn.Module, ids: torch.Tensor) -> np.ndarray:
+def sample_features(model: nn.Module, ids: torch.Tensor, *, embedding: nn.Embedding | None = None) -> np.ndarray:
     """Features (:data:`SAMPLE_FEATURE_SIZE`) of a batch ``ids[B, S]`` from the model's own
-    embedding (see the module docstring), averaged over the batch's rows."""
+    embedding (see the module docstring), averaged over the batch's rows. ``embedding``: the
+    embedding to use instead of the model's live one (the pilot passes the snapshot it took at
+    attach time)."""
     if ids.dim() != 2 or ids.shape[1] < 1:
         raise ValueError(f"ids must be [B, S >= 1], got {tuple(ids.shape)}")
-    embedding = embedding_module(model)
+    embedding = embedding if embedding is not None else embedding_module(model)
     with torch.no_grad():
         embedded = embedding(ids).float().numpy()  # [B, S, D]
     batch, seq, dim = embedded.shape

@@ -15,6 +15,7 @@ Use::
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import weakref
@@ -27,7 +28,7 @@ import onnxruntime as ort
 import torch
 
 from pilot.architecture import PilotArchitecture
-from pilot.features import AFM_SUMMARY_SIZE, NETWORK_TYPES, feature_size, sample_features
+from pilot.features import AFM_SUMMARY_SIZE, NETWORK_TYPES, embedding_module, feature_size, sample_features
 from pilot.mapping import PathMapper, output_size
 from pilot.prediction import PathPrediction
 
@@ -71,15 +72,23 @@ class Pilot:
         )
 
     def attach(self, model: torch.nn.Module, architecture: PilotArchitecture) -> PathMapper:
-        """Prepare ``model``: its architecture features and the mapping table of its candidates."""
+        """Prepare ``model``: its architecture features, the mapping table of its candidates and
+        a snapshot of its embedding.
+
+        The sample features come from the model's own embedding, but training moves that
+        embedding step by step, and features hashed from embedding values would drift away
+        from what the pilot was fit on; so the pilot embeds with the weights the model had
+        when it was attached (the features a freshly built zoo model gives, as in training).
+        """
         mapper = PathMapper(architecture)
-        self._attached[model] = (architecture, mapper)
+        snapshot = copy.deepcopy(embedding_module(model)).requires_grad_(False)
+        self._attached[model] = (architecture, mapper, snapshot)
         return mapper
 
     def architecture(self, model: torch.nn.Module) -> PilotArchitecture:
         return self._entry(model)[0]
 
-    def _entry(self, model: torch.nn.Module) -> tuple[PilotArchitecture, PathMapper]:
+    def _entry(self, model: torch.nn.Module) -> tuple[PilotArchitecture, PathMapper, torch.nn.Embedding]:
         try:
             return self._attached[model]
         except KeyError:
@@ -96,16 +105,16 @@ class Pilot:
 
     def features(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> np.ndarray:
         """The pilot's input vector for a batch of ``model`` (architecture part prebuilt at attach)."""
-        arch, _ = self._entry(model)
+        arch, _, embedding = self._entry(model)
         out = np.empty(feature_size(), dtype=np.float32)
         out[:AFM_SUMMARY_SIZE] = arch.summary
         out[AFM_SUMMARY_SIZE : AFM_SUMMARY_SIZE + len(NETWORK_TYPES)] = arch.one_hot
-        out[AFM_SUMMARY_SIZE + len(NETWORK_TYPES) :] = sample_features(model, inputs[0])
+        out[AFM_SUMMARY_SIZE + len(NETWORK_TYPES) :] = sample_features(model, inputs[0], embedding=embedding)
         return out
 
     def predict_features(self, model: torch.nn.Module, features: np.ndarray) -> PathPrediction:
         """Prediction from prebuilt features (what the ``pilot_model_inference`` step runs)."""
-        arch, mapper = self._entry(model)
+        arch, mapper, _ = self._entry(model)
         start = time.perf_counter()
         raw = self.run(features, arch.one_hot)
         middle = time.perf_counter()

@@ -236,3 +236,39 @@ def test_cli_trains_a_dynamic_model(tmp_path, capsys):
     assert main(["train", "--model", "moe", "--plot", str(tmp_path / "p.png"), "--quiet"]) == 2
     assert "does not apply to dynamic models" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_pilot_guided_training():
+    """The committed pilot drives the prefetches of a real training run: var-LSTM's paths (its
+    length) are predicted exactly, so nothing faults, and the numbers are the unbudgeted run's."""
+    from ort_offload.pilot_support import make_pilot
+
+    spec = get_dynamic_model("var-lstm", "tiny", seed=0)
+    pilot = make_pilot(spec)
+    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, device=ort_offload.set_offload_device("cpu"),
+                               predictor=pilot, optimizer="adamw", lr=1e-2, cache=_cache("var-lstm"))
+    for step in range(STEPS):
+        inputs, targets = spec.make_batch(seed=step)
+        trainer.step(*inputs, *targets)
+    trainer.close()
+    report = trainer.report()
+    assert report["exact_path_accuracy"] == 1.0 and report["mispredictions"] == 0
+    assert report["faults"] == 0
+    assert report["pilot_inference_us_median"] > 0 and report["pilot_mapping_us_median"] > 0
+    _assert_same((trainer, trainer.state_dict()), _train("var-lstm", host=True))
+
+
+def test_pilot_features_do_not_drift_with_training():
+    """The pilot embeds samples with the embedding the model had when it was attached, so
+    training the embedding does not change its predictions."""
+    from ort_offload.pilot_support import make_pilot
+
+    spec = get_dynamic_model("moe", "tiny", seed=0)
+    pilot = make_pilot(spec)
+    batches = [spec.make_batch(1, seed=50_000 + i)[0] for i in range(8)]
+    before = [pilot.predict(spec.model, inputs) for inputs in batches]
+    with torch.no_grad():
+        spec.model.tok_emb.weight.add_(0.05 * torch.randn_like(spec.model.tok_emb.weight))
+    after = [pilot.predict(spec.model, inputs) for inputs in batches]
+    assert [p.path for p in before] == [p.path for p in after]
+    assert [p.key for p in before] == [p.key for p in after]
