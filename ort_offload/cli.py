@@ -324,13 +324,19 @@ def _train_dynamic(args, device) -> int:
 
 def _verify_dynamic(args, trainer, batches) -> dict:
     """Train a fresh copy of the dynamic model in plain torch on the same batches and compare."""
-    from models import get_dynamic_model
-
     import torch
+
+    from models import get_dynamic_model
 
     reference = get_dynamic_model(args.model, args.config, seed=args.seed)
     lr = args.lr if args.lr is not None else 1e-3
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](reference.model.parameters(), lr=lr)
+    losses = _train_in_torch(reference, optimizer, batches)
+    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
+
+
+def _train_in_torch(reference, optimizer, batches) -> list[float]:
+    """Plain torch training of ``reference`` (a zoo spec) on ``batches``; the losses."""
     losses = []
     for inputs, targets in batches:
         loss = reference.loss_fn(reference.model(*inputs), *targets)
@@ -338,7 +344,7 @@ def _verify_dynamic(args, trainer, batches) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
+    return losses
 
 
 def _compare_with_torch(our_losses, torch_losses, state, reference_model) -> dict:
@@ -367,13 +373,7 @@ def _verify(spec, args, trainer, batches) -> dict:
     reference = get_model(args.model, args.config, seed=args.seed)
     optimizer = trainer.optimizer_config.torch_optimizer(reference.model.parameters())
     reference.model.train()
-    losses = []
-    for inputs, targets in batches:
-        loss = reference.loss_fn(reference.model(*inputs), *targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _train_in_torch(reference, optimizer, batches)
     return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
 
 
