@@ -38,7 +38,8 @@ written back. If nothing is left to evict the invocation cannot run under the bu
 
 A mispredicted batch is written to the misprediction log (its inputs, the predicted and the
 true path: training data for the pilot) and its true path goes into the misprediction cache
-under the predictor's raw output, so the next batch with the same output is prefetched right.
+(:mod:`ort_offload.misprediction_cache`), which corrects later predictions the predictor keeps
+getting wrong the same way.
 
 ``residency="resident"`` turns the runtime into the no-offload baseline under the same
 accounting: nothing is ever evicted and every parameter's gradient and optimizer state are
@@ -65,6 +66,7 @@ from ort_offload.arena import DeviceArena, make_policy
 from ort_offload.copy_engine import CopyEngine
 from ort_offload.errors import BudgetTooSmallError, ExecutionError
 from ort_offload.host_store import HostStore
+from ort_offload.misprediction_cache import MispredictionCache
 from pilot.prediction import NoPredictor, PathPrediction, PathPredictor, even_groups
 
 __all__ = ["BlockRuntime", "RESIDENCY_MODES", "RuntimeStats", "TraceEvent", "part_tensor_infos"]
@@ -205,7 +207,7 @@ class BlockRuntime:
         self.prefetch = prefetch
         self.pre_evict = pre_evict
         self.use_misprediction_cache = misprediction_cache
-        self.misprediction_cache: dict[Any, PathPrediction] = {}
+        self.misprediction_cache = MispredictionCache()
         self.misprediction_log = Path(misprediction_log) if misprediction_log is not None else None
         self.stats = RuntimeStats()
         self.arena = DeviceArena(budget_bytes if budget_bytes is not None else 1 << 20, alignment=alignment,
@@ -272,6 +274,7 @@ class BlockRuntime:
 
     def _reset_step(self) -> None:
         self.prediction: PathPrediction = PathPrediction(path=(), execution_blocks=())
+        self._own_prediction = self.prediction
         self.on_track = True
         self.mispredicted = False
         self.invocations: list[_Invocation] = []
@@ -292,8 +295,9 @@ class BlockRuntime:
         prediction = self.predictor.predict(model, self._inputs)
         self.stats.inference_us.append(prediction.inference_us)
         self.stats.mapping_us.append(prediction.mapping_us)
+        self._own_prediction = prediction  # what the predictor said, before any correction
         if self.use_misprediction_cache:
-            cached = self.misprediction_cache.get(prediction.key)
+            cached = self.misprediction_cache.lookup(prediction)
             if cached is not None:
                 prediction = dataclasses.replace(cached, inference_us=prediction.inference_us,
                                                  mapping_us=prediction.mapping_us)
@@ -335,7 +339,9 @@ class BlockRuntime:
             self.stats.exact_paths += 1
         else:
             self.stats.mispredictions += 1
-            self._record_misprediction(true_path)
+            self._log_misprediction(true_path)
+        if self.use_misprediction_cache:
+            self.misprediction_cache.record(self._own_prediction, true_path)
         for name in list(self.arena.names()):
             if not name.startswith("resident/"):
                 self.arena.free(name)
@@ -344,12 +350,7 @@ class BlockRuntime:
         self.trace = []
         self._reset_step()
 
-    def _record_misprediction(self, true_path: tuple[int, ...]) -> None:
-        sizes = [end - start for start, end in self.prediction.execution_blocks]
-        group = max(1, round(sum(sizes) / len(sizes))) if sizes else 1
-        corrected = PathPrediction(path=true_path, execution_blocks=even_groups(true_path, group) if true_path else (),
-                                   key=self.prediction.key)
-        self.misprediction_cache[self.prediction.key] = corrected
+    def _log_misprediction(self, true_path: tuple[int, ...]) -> None:
         if self.misprediction_log is not None:
             record = {
                 "step": self.stats.steps,

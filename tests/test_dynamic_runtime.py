@@ -272,3 +272,23 @@ def test_pilot_features_do_not_drift_with_training():
     after = [pilot.predict(spec.model, inputs) for inputs in batches]
     assert [p.path for p in before] == [p.path for p in after]
     assert [p.key for p in before] == [p.key for p in after]
+
+
+def test_misprediction_cache_corrects_only_systematic_confusions():
+    from ort_offload.misprediction_cache import MispredictionCache
+    from pilot.prediction import PathPrediction, even_groups
+
+    def said(path):
+        return PathPrediction(path=path, execution_blocks=even_groups(path, 2), key=("raw", path))
+
+    cache = MispredictionCache()
+    right, wrong_truth = (0, 1, 2), (0, 1)
+    cache.record(said(right), right)
+    assert len(cache) == 0 and cache.lookup(said(right)) is None  # never wrong: not remembered
+    cache.record(said(right), wrong_truth)
+    corrected = cache.lookup(said(right))
+    assert corrected is not None and corrected.path == wrong_truth
+    assert corrected.execution_blocks == even_groups(wrong_truth, 2)
+    cache.record(said(right), right)
+    cache.record(said(right), right)
+    assert cache.lookup(said(right)) is None  # right twice, wrong once since: keep the prediction
