@@ -21,7 +21,7 @@ import onnx
 from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
-from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.memory import MemoryTrace, align_up, allocation_units, simulate_program
 from graph_passes.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.partition import fit_blocks, refine_blocks
 from graph_passes.program import (
@@ -284,7 +284,7 @@ class GraphRunner:
         return lower(
             model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
             fetches=self.fetches, max_block_nodes=max_block_nodes, schedule=schedule, swap_points=self.swap_points,
-            extra_cuts=extra_cuts,
+            extra_cuts=extra_cuts, alignment=self.runtime.device.alignment,
         )
 
     def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
@@ -509,6 +509,7 @@ class _StepExecution:
         usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
         self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
         self.first_reader = _first_readers(prepared.program) if self.policy.region(0) is not None else {}
+        self.view_start = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
         self.block: int | None = None  # the block running or about to run
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
@@ -562,6 +563,12 @@ class _StepExecution:
             if not region[0] <= offset < region[1]:
                 self.stats.region_fallbacks += 1
 
+    def _allocate_view(self, name: str, pieces, block: int) -> None:
+        """Allocate split view ``name`` as its pieces, back to back."""
+        region = self.policy.region(block)
+        parts = [(p, self.infos[p]) for p in pieces]
+        self._with_room(lambda: self.arena.allocate_view(name, self.infos[name], parts, region=region))
+
     def _cap(self, workspace: int) -> None:
         if self.budget is not None:
             self._with_room(lambda: self.arena.limit(self.budget - workspace))
@@ -606,10 +613,13 @@ class _StepExecution:
         self.block = step.block
         self._cap(workspace)
         self._ensure_resident(session.block.inputs, f"block {step.block}")
-        for name in step.allocates:
-            self._allocate(name, step.block)
+        for name, pieces in allocation_units(self.prepared.program, step.allocates):
+            if pieces:
+                self._allocate_view(name, pieces, step.block)
+            else:
+                self._allocate(name, step.block)
         self._measure(workspace)
-        pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
+        pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in session.block.inputs + session.block.outputs}
         try:
             session.run(pointers, self.infos)
         except Exception as e:
