@@ -28,6 +28,8 @@ from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
 from graph_passes.recompute_pass import recomputed_infos
+from graph_passes.split_pass import Cut, write_split_plan
+from graph_passes.split_planner import Bottleneck, JointPlanner, split_node_count
 from graph_passes.shapes import TensorInfo
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
@@ -79,6 +81,8 @@ class PreparedStep:
     swap_plan: SwapPlan | None = None
     model: onnx.ModelProto | None = None  # the graph the program runs (rewritten by recompute)
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
+    split_nodes: int = 0  # nodes the split pass added
+    split_plan: object = None  # graph_passes.split_planner.JointPlan
 
 
 class Runtime:
@@ -254,8 +258,17 @@ class GraphRunner:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         elif chosen is None and "swap" in self.passes:
             chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
+        split_nodes, split_plan = 0, None
+        if chosen is None and "split" in self.passes and budget is not None and self.swap_points is None:
+            # Swap and recompute alone cannot: split the ops that do not fit (TSPLIT), swap the rest.
+            split = self._plan_split(input_infos, probe_feeds, infos, budget, needed)
+            needed = split[-1]
+            if split[2] is not None:
+                model, infos, chosen, split_nodes, split_plan, _ = split
+                recomputed = 0
         if chosen is None:
-            offered = [{"recompute": "recompute", "swap": "swapping"}[p] for p in ("recompute", "swap") if p in self.passes]
+            offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
+                       for p in ("recompute", "swap", "split") if p in self.passes]
             how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
@@ -267,7 +280,7 @@ class GraphRunner:
             self.recompute.observe(infos, unplanned_need)
         program, trace, applied, base, plan = chosen
         prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
-                                recomputed_nodes=recomputed)
+                                recomputed_nodes=recomputed, split_nodes=split_nodes, split_plan=split_plan)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.last_prepared = prepared
@@ -363,6 +376,46 @@ class GraphRunner:
         logger.info("recompute or swap for %s on %s: %s (%s)", self.graph.name, profile.name, label,
                     ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
         return model, model_infos, chosen, clones, needed
+
+    def _plan_split(self, input_infos, probe_feeds, infos, budget: int, needed: int):
+        """Split the ops too large for the budget (:class:`graph_passes.split_planner.JointPlanner`),
+        then plan swaps on the split graph (or, without the swap pass, the lowering that fits).
+        Returns (model, infos, chosen or None, split node count, JointPlan or None, least budget)."""
+        profile = self.runtime.planning_profile()
+
+        def lower_fine(model, model_infos):
+            return self.lower_program(model, model_infos, order_dependent_last(model), max_block_nodes=1)
+
+        def infer(model):
+            return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
+
+        planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(profile),
+                               alignment=self.runtime.device.alignment)
+        result = planner.plan(self.model, infos, budget)
+        if isinstance(result, Bottleneck):
+            logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", self.graph.name, result.op_type,
+                        result.node, result.needed_bytes, result.reason)
+            return self.model, infos, None, 0, None, min(needed, max(result.needed_bytes, budget + 1))
+        model, _ = write_split_plan(self.model, result.split, infos, cut=Cut.SPLIT)
+        split_infos = infer(model)
+        schedule = order_dependent_last(model)
+        programs = list(self.lowerings(model, split_infos, schedule))
+        if "swap" in self.passes:
+            chosen, least, _ = self._plan_swaps(programs, split_infos, budget, model)
+        else:
+            chosen, least = None, needed
+            for program in programs:
+                trace = simulate_program(program, split_infos, alignment=self.runtime.device.alignment)
+                least = min(least, trace.min_budget_bytes)
+                if trace.min_budget_bytes <= budget:
+                    chosen = (program, trace, (), program, None)
+                    break
+        if chosen is None:
+            return self.model, infos, None, 0, None, min(needed, least)
+        chosen = (chosen[0], chosen[1], ("split", *chosen[2]), *chosen[3:])
+        logger.info("split plan for %s: %d ops split, %d nodes added", self.graph.name, len(result.choices),
+                    split_node_count(model))
+        return model, split_infos, chosen, split_node_count(model), result, needed
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
