@@ -2,9 +2,9 @@
 
 - Eq. 5: splitting the input ``s_j`` of op ``j+1`` into ``p`` micro-tensors, each freed right
   after its micro-op, saves ``(p-1)/p * min(size(s_j), size(s_j+1))`` at that op
-  (:func:`split_memory_saving`). The planner (:mod:`graph_passes.split_planner`) measures the
-  saving on the lowered program instead of trusting the formula (merges, copies and views
-  change it); the formula is the upper bound it is checked against in the tests.
+  (:func:`split_memory_saving`): the saving in the arena replay when nothing is swapped. With
+  swapping, pieces can also leave the arena between micro-ops and a merge can dominate, so the
+  planner (:mod:`graph_passes.split_planner`) measures the saving on the lowered program.
 - Eq. 6: the time a split adds is the micro-ops' time less the op's, plus the copies the
   split and merge make (:func:`split_added_time`). Split views run no kernel and cost nothing.
   Micro-ops are slower per byte than the op (a launch per micro-op, less work per kernel):

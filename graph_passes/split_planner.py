@@ -46,7 +46,7 @@ SPLIT_PARTS = (2, 4, 8, 16)
 
 @dataclasses.dataclass(frozen=True)
 class SplitChoice:
-    """One split the planner took: ``node`` (its name) ``parts`` ways on ``axis``; the op needed
+    """One split the planner took: ``node`` (its name, else its first output) ``parts`` ways on ``axis``; the op needed
     ``needed_before`` bytes, its split needs ``needed_after``; ``added_time_s`` is Eq. 6."""
 
     node: str
@@ -110,7 +110,7 @@ class JointPlanner:
         self.candidates_tried = 0
 
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
-        names = {n.name: i for i, n in enumerate(model.graph.node) if n.name}
+        names = {_label(n): i for i, n in enumerate(model.graph.node) if _label(n)}
         constants = constant_values(model)
         runs: list[SplitRun] = []
         choices: list[SplitChoice] = []
@@ -127,11 +127,11 @@ class JointPlanner:
                 return Bottleneck("", "", need, f"step {index} ({type(step).__name__}) alone needs {need} bytes")
             node = max((current.graph.node[i] for i in program.blocks[step.block].node_indices),
                        key=lambda n: sum(current_infos[o].nbytes for o in n.output if o in current_infos))
-            if _is_split_node(node) or node.name not in names:
-                return Bottleneck(node.name, node.op_type, need, "a micro-op or merge of a split alone exceeds the budget")
+            if _is_split_node(node) or _label(node) not in names:
+                return Bottleneck(_label(node), node.op_type, need, "a micro-op or merge of a split alone exceeds the budget")
             if len(runs) >= self.max_splits:
-                return Bottleneck(node.name, node.op_type, need, f"more than {self.max_splits} splits needed")
-            best = self._best_split(model, infos, constants, runs, names[node.name], need, budget)
+                return Bottleneck(_label(node), node.op_type, need, f"more than {self.max_splits} splits needed")
+            best = self._best_split(model, infos, constants, runs, names[_label(node)], need, budget)
             if isinstance(best, Bottleneck):
                 return best
             run, choice, current, current_infos, program = best
@@ -151,7 +151,7 @@ class JointPlanner:
         try:
             options = split_options(NodeInfo.of(node, infos, constants))
         except UnsplittableOpError as e:
-            return Bottleneck(node.name, node.op_type, need, str(e))
+            return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
         best, least = None, need
         for option in options:
@@ -184,11 +184,11 @@ class JointPlanner:
                                          views=views)
                 ratio = added / (need - after)
                 if best is None or (ratio, parts) < best[0]:
-                    choice = SplitChoice(node.name, option.key, parts, need, after, added)
+                    choice = SplitChoice(_label(node), option.key, parts, need, after, added)
                     best = ((ratio, parts), (run, choice, rewritten, new_infos, program))
         if best is None:
-            return Bottleneck(node.name, node.op_type, least,
-                              f"no split of {node.op_type} {node.name!r} (p in {self.parts}) brings its {need} bytes "
+            return Bottleneck(_label(node), node.op_type, least,
+                              f"no split of {node.op_type} {_label(node)!r} (p in {self.parts}) brings its {need} bytes "
                               f"under the budget {budget}; the best needs {least}")
         return best[1]
 
@@ -216,6 +216,11 @@ class JointPlanner:
             return Bottleneck("", "", trace.peak_device_bytes, "the swap plan of the split graph does not replay within the budget")
         required = max((need for _, need in step_requirements(program, sizes)), default=0)
         return JointPlan(split, choices, budget, required, trace.peak_device_bytes)
+
+
+def _label(node: onnx.NodeProto) -> str:
+    """A node's name, or its first output for an unnamed node."""
+    return node.name or next((o for o in node.output if o), "")
 
 
 def _is_split_node(node: onnx.NodeProto) -> bool:
