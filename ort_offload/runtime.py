@@ -258,13 +258,17 @@ class GraphRunner:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         elif chosen is None and "swap" in self.passes:
             chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
-        split_nodes, split_plan = 0, None
+        split_nodes, split_plan, bottleneck = 0, None, ""
         if chosen is None and "split" in self.passes and budget is not None and self.swap_points is None:
             # Swap and recompute alone cannot: split the ops that do not fit (TSPLIT), swap the rest.
             split = self._plan_split(input_infos, probe_feeds, infos, budget, needed)
-            needed = split[-1]
-            if split[2] is not None:
-                model, infos, chosen, split_nodes, split_plan, _ = split
+            if isinstance(split, Bottleneck):
+                # The minimum stated stays the one that plans without splits: the walk stops at
+                # the first op no split fits, so it cannot say what a split plan would need.
+                where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
+                bottleneck = f" (splitting stops at {where}: {split.reason})"
+            else:
+                model, infos, chosen, split_nodes, split_plan = split
                 recomputed = 0
         if chosen is None:
             offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
@@ -272,7 +276,7 @@ class GraphRunner:
             how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
-                f"{self.graph.name} needs {how}; raise the budget to at least that",
+                f"{self.graph.name} needs {how}; raise the budget to at least that{bottleneck}",
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
@@ -380,7 +384,7 @@ class GraphRunner:
     def _plan_split(self, input_infos, probe_feeds, infos, budget: int, needed: int):
         """Split the ops too large for the budget (:class:`graph_passes.split_planner.JointPlanner`),
         then plan swaps on the split graph (or, without the swap pass, the lowering that fits).
-        Returns (model, infos, chosen or None, split node count, JointPlan or None, least budget)."""
+        Returns (model, infos, chosen, split node count, JointPlan), or the Bottleneck."""
         profile = self.runtime.planning_profile()
 
         def lower_fine(model, model_infos):
@@ -395,27 +399,27 @@ class GraphRunner:
         if isinstance(result, Bottleneck):
             logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", self.graph.name, result.op_type,
                         result.node, result.needed_bytes, result.reason)
-            return self.model, infos, None, 0, None, min(needed, max(result.needed_bytes, budget + 1))
+            return result
         model, _ = write_split_plan(self.model, result.split, infos, cut=Cut.SPLIT)
         split_infos = infer(model)
         schedule = order_dependent_last(model)
         programs = list(self.lowerings(model, split_infos, schedule))
+        chosen = None
         if "swap" in self.passes:
             chosen, least, _ = self._plan_swaps(programs, split_infos, budget, model)
         else:
-            chosen, least = None, needed
             for program in programs:
                 trace = simulate_program(program, split_infos, alignment=self.runtime.device.alignment)
-                least = min(least, trace.min_budget_bytes)
                 if trace.min_budget_bytes <= budget:
                     chosen = (program, trace, (), program, None)
                     break
         if chosen is None:
-            return self.model, infos, None, 0, None, min(needed, least)
+            return Bottleneck("", "", budget + 1, "the split graph has no program within the budget"
+                              + ("" if "swap" in self.passes else " without swapping"))
         chosen = (chosen[0], chosen[1], ("split", *chosen[2]), *chosen[3:])
         logger.info("split plan for %s: %d ops split, %d nodes added", self.graph.name, len(result.choices),
                     split_node_count(model))
-        return model, split_infos, chosen, split_node_count(model), result, needed
+        return model, split_infos, chosen, split_node_count(model), result
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on

@@ -133,3 +133,14 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
         assert abs(got - expected) <= 1e-5 * abs(expected)
     for key, value in unplanned.state.items():
         assert max_relative_diff(run.state[key], value) <= 1e-5, key
+
+
+def test_a_budget_no_split_reaches_names_the_bottleneck_and_a_minimum_that_plans():
+    with pytest.raises(BudgetTooSmallError) as refused:
+        train_ort("gpt", steps=1, budget=1, passes=("swap",), optimizer="adamw")
+    least = refused.value.needed_bytes
+    # A third of the swap minimum: below a whole activation and its copy, which a merge holds.
+    with pytest.raises(BudgetTooSmallError) as refused:
+        train_ort("gpt", steps=1, budget=least // 3, passes="auto", optimizer="adamw")
+    assert "splitting stops at" in str(refused.value)
+    assert refused.value.needed_bytes == least
