@@ -45,7 +45,7 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(models=(("gpt", "tiny"), ("cnn", "tiny")), max_factor=16, time_steps=2)
+QUICK = Settings(models=(("gpt", "tiny"), ("cnn", "tiny")), max_factor=32, time_steps=3)
 
 
 def _trainer(spec, name: str, batch: int, budget: int | None, passes, cache_dir: str, optimizer: str):
@@ -190,7 +190,7 @@ def print_table(result: dict, console) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.capacity", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny configs, batches up to 16x (minutes)")
+    parser.add_argument("--quick", action="store_true", help="tiny configs, batches up to 32x (about 15 minutes here)")
     parser.add_argument("--max-factor", type=int, default=None, help="largest batch probed, as a multiple of 4")
     parser.add_argument("--models", default=None, help="comma list of name:config (default gpt:small,cnn:small)")
     parser.add_argument("--out", default=None, help="directory for capacity.json (default: benchmarks/results/<date>)")
