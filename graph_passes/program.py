@@ -298,6 +298,10 @@ def split_views(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: 
     from graph_passes.split_pass import PASS_KEY, PASS_NAME  # the pass imports nothing of ours
 
     nodes = list(model.graph.node)
+    candidates = [i for i in order if nodes[i].op_type == "Split" and nodes[i].domain in ("", "ai.onnx")
+                  and any(p.key == PASS_KEY and p.value == PASS_NAME for p in nodes[i].metadata_props)]
+    if not candidates:
+        return {}
     outputs = {o.name for o in model.graph.output}
     readers: dict[str, int] = {}
     produced: set[str] = set()
@@ -306,12 +310,8 @@ def split_views(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: 
             readers[name] = readers.get(name, 0) + 1
         produced.update(o for o in nodes[index].output if o)
     views = {}
-    for index in order:
+    for index in candidates:
         node = nodes[index]
-        if node.op_type != "Split" or node.domain not in ("", "ai.onnx"):
-            continue
-        if not any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props):
-            continue
         whole, pieces = node.input[0], tuple(node.output)
         if whole not in produced or whole in outputs or readers.get(whole) != 1 or whole not in infos:
             continue
