@@ -129,6 +129,10 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
     assert report["peak_device_bytes"] <= budget and report["within_budget"]
     assert "split" in report["passes"] and report["split_nodes"] > 0
     assert report["steps"] == 5
+    # The cuts the runtime makes views of, and the measured peak is the plan's arena replay.
+    prepared = run.trainer.runner.last_prepared
+    assert prepared.program.views and prepared.split_plan.checked_peak_bytes <= budget
+    assert report["peak_device_bytes"] == prepared.trace.peak_device_bytes
     for got, expected in zip(run.losses, unplanned.losses):
         assert abs(got - expected) <= 1e-5 * abs(expected)
     for key, value in unplanned.state.items():
