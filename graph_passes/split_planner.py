@@ -108,6 +108,7 @@ class JointPlanner:
         self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
         self._measured: dict[tuple, float] = {}
         self.candidates_tried = 0
+        self.profiled = 0  # node signatures timed in ONNX Runtime (measure=True)
 
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
         names = {_label(n): i for i, n in enumerate(model.graph.node) if _label(n)}
@@ -200,6 +201,7 @@ class JointPlanner:
             key = _signature(n, n_infos)
             if key not in self._measured:
                 measured = measure_node_times(m if m is not None else rewritten, [n], n_infos)
+                self.profiled += n.name in measured
                 self._measured[key] = measured.get(n.name, self.cost_model.node_time(n, n_infos))
             times[n.name] = self._measured[key]
         return ProfiledCostModel({}, self.cost_model, node_times=times)

@@ -393,8 +393,11 @@ class GraphRunner:
         def infer(model):
             return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
 
+        # Planning for the machine the step runs on: the op and its micro-ops are profiled here
+        # (Eq. 6 from measured kernels); for another device's profile, the roofline estimates.
+        measure = self.runtime.device.kind == "cpu" and self.runtime.device.planning_profile is None
         planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(profile),
-                               alignment=self.runtime.device.alignment)
+                               alignment=self.runtime.device.alignment, measure=measure)
         result = planner.plan(self.model, infos, budget)
         if isinstance(result, Bottleneck):
             logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", self.graph.name, result.op_type,

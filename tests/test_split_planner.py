@@ -110,6 +110,16 @@ def test_measured_micro_ops_are_timed():
     assert set(times) == {n.name for n in micro} and all(t > 0 for t in times.values())
 
 
+def test_a_measuring_planner_charges_profiled_micro_ops():
+    model, infos, low, planner = _small()
+    measuring = JointPlanner(lower=low, infer=planner.infer, cost_model=planner.cost_model, measure=True)
+    budget = 3 * infos["a"].nbytes - infos["a"].nbytes // 4
+    plan = measuring.plan(model, infos, budget)
+    assert isinstance(plan, JointPlan) and measuring.profiled >= 2  # the Add and its micro-op
+    # Measured on this CPU, not the H100 roofline the other planner charges.
+    assert plan.choices[0].added_time_s != planner.plan(model, infos, budget).choices[0].added_time_s
+
+
 def test_split_is_a_pass_name():
     assert "split" in resolve_passes("auto") and resolve_passes("swap,split") == ["swap", "split"]
 
