@@ -295,7 +295,7 @@ def split_views(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: 
     value, pieces). A view needs the split axis contiguous (only size-1 dims before it), every
     piece boundary on ``alignment``, the whole value produced by a node of ``order`` and read by
     nothing but the Split, and every piece read by a later node and not a graph output."""
-    from graph_passes.split_pass import PASS_KEY, PASS_NAME  # the pass imports nothing of ours
+    from graph_passes.split_pass import PASS_KEY, PASS_NAME  # here: the pass module pulls in onnx_ir
 
     nodes = list(model.graph.node)
     candidates = [i for i in order if nodes[i].op_type == "Split" and nodes[i].domain in ("", "ai.onnx")
