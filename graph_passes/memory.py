@@ -148,6 +148,22 @@ class BestFitAllocator:
         else:
             self._free.insert(i, (start, end - start))
 
+    def partition(self, name: str, pieces) -> None:
+        """``name``'s bytes become consecutive tensors ``pieces`` ((name, bytes) in order; every
+        size but the last a multiple of the alignment), each freed on its own later (a split
+        view). Nothing moves and no byte is added."""
+        placement = self._placements[name]
+        sizes = [align_up(nbytes, self.alignment) for _, nbytes in pieces]
+        if sum(sizes) != placement.nbytes or any(nbytes % self.alignment for _, nbytes in pieces[:-1]):
+            raise ValueError(f"pieces of {sum(sizes)} aligned bytes do not tile {name!r} ({placement.nbytes})")
+        del self._placements[name]
+        offset = placement.offset
+        for (piece, _), size in zip(pieces, sizes):
+            if piece in self._placements:
+                raise ValueError(f"{piece!r} is already allocated")
+            self._placements[piece] = Placement(offset, size)
+            offset += size
+
     def rename(self, old: str, new: str) -> None:
         """The tensor at ``old`` is now known as ``new`` (state that became the next step's input)."""
         if new in self._placements:
@@ -272,6 +288,22 @@ def simulate_program(
     )
 
 
+def allocation_units(program, allocates):
+    """A block's allocations in order as (name, pieces): a split view's pieces are one
+    allocation of the whole value (``pieces`` then names them), everything else alone (())."""
+    first = {pieces[0]: (whole, pieces) for whole, pieces in getattr(program, "views", ())}
+    units, taken = [], set()
+    for name in allocates:
+        if name in taken:
+            continue
+        if name in first and set(first[name][1]) <= set(allocates):
+            units.append(first[name])
+            taken.update(first[name][1])
+        else:
+            units.append((name, ()))
+    return units
+
+
 def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list[MemoryPoint], budget=None) -> None:
     from graph_passes.program import Commit, Fetch, Load, RunBlock, SwapIn, SwapOut
 
@@ -287,8 +319,10 @@ def _replay_one_step(allocator: BestFitAllocator, program, infos, timeline: list
         elif isinstance(step, RunBlock):
             workspace = program.blocks[step.block].workspace_bytes
             cap(workspace)
-            for name in step.allocates:
+            for name, pieces in allocation_units(program, step.allocates):
                 allocator.allocate_or_compact(name, infos[name].nbytes)
+                if pieces:
+                    allocator.partition(name, [(p, infos[p].nbytes) for p in pieces])
             timeline.append(MemoryPoint(f"block {step.block}", allocator.in_use, workspace, allocator.high_water, allocator.high_water_live()))
             for name in step.frees:
                 allocator.free(name)

@@ -7,6 +7,13 @@ live in the device arena; values born and dead inside one block are the block's 
 runtime does each step: load a batch tensor, run a block (its outputs are allocated first),
 free values after their last use, fetch outputs to the host, and commit updated state as the
 next step's input. Pure data: the runtime executes it, :mod:`graph_passes.memory` replays it.
+
+Split views (TSPLIT: a split on a contiguous leading axis is an offset view). A ``Split`` node
+written by the split pass (:mod:`graph_passes.split_pass`) whose axis has only size-1 dims
+before it, whose piece boundaries fall on the arena alignment, and whose input is a node output
+read by nothing else, runs no kernel: its producer's output is allocated as the pieces, placed
+back to back (:attr:`Program.views`), and each piece is freed at its own last use. The Split's
+position becomes a block boundary, so the pieces always cross into the arena.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Mapping, Sequence, Union
 import onnx
 
 from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names, lifetimes
+from graph_passes.memory import DEFAULT_ALIGNMENT
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
 
@@ -92,6 +100,9 @@ class Program:
     data_inputs: tuple[str, ...]
     fetches: tuple[str, ...]  # outputs returned to the caller
     host_state: tuple[str, ...] = ()  # state kept in the host store between steps (swap plans)
+    # Split views: (whole value a block writes, its pieces in order). The block allocates the
+    # pieces back to back and writes the whole value over them; the pieces live on alone.
+    views: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def max_workspace_bytes(self) -> int:
@@ -148,18 +159,25 @@ def lower(
     schedule: Sequence[int] | None = None,
     swap_points=None,
     extra_cuts: Sequence[int] = (),
+    alignment: int = DEFAULT_ALIGNMENT,
 ) -> Program:
     """Lower ``model`` into blocks and steps for one input signature (``infos``).
 
     ``swap_points`` (:class:`graph_passes.swap_nodes.SwapPoints`, for a graph whose swap nodes
     were read back) adds swap steps at fixed node positions; blocks are cut there.
     ``extra_cuts`` are more block boundaries (positions in the schedule), e.g. from
-    :func:`graph_passes.partition.fit_blocks`."""
+    :func:`graph_passes.partition.fit_blocks`. Split views (see the module docstring) need
+    piece boundaries on ``alignment``."""
     graph = model.graph
     nodes = list(graph.node)
     order = list(range(len(nodes))) if schedule is None else list(schedule)
     initializers = {t.name for t in graph.initializer}
     graph_inputs = [v.name for v in graph.input if v.name not in initializers]
+    views = {} if swap_points else split_views(model, infos, order, alignment)
+    if views:
+        # Liveness and blocks see the view Split as nothing and its pieces as its input's
+        # producer's outputs; the sessions still run the producer writing the whole value.
+        nodes, graph = _view_surrogate(graph, nodes, views)
     check_topological([nodes[i] for i in order], set(graph_inputs) | initializers)
     outputs = [o.name for o in graph.output]
     output_set = set(outputs)
@@ -168,13 +186,21 @@ def lower(
 
     cuts = {k for k, _ in swap_points.before if 0 < k < len(order)} if swap_points else set()
     cuts |= set(extra_cuts)  # block boundaries chosen by the caller (schedule positions)
+    view_positions = set()
+    skipped = _view_only(model, views)
     for position, node_index in enumerate(order):
         if is_order_dependent(nodes[node_index]):  # its own block, run single-threaded
             cuts |= {position, position + 1}
+        if node_index in views:  # the pieces cross into the arena
+            cuts.add(position)
+        if node_index in skipped:
+            view_positions.add(position)
     cuts = sorted(k for k in cuts if 0 < k < len(order))
     chunks = []
     for start, end in zip([0] + cuts, cuts + [len(order)]):
         chunks += [tuple(start + p for p in chunk) for chunk in partition(end - start, max_block_nodes)]
+    if view_positions:  # view Splits run no kernel: in no block
+        chunks = [c for c in (tuple(p for p in chunk if p not in view_positions) for chunk in chunks) if c]
     block_of_position = {}
     for b, chunk in enumerate(chunks):
         for position in chunk:
@@ -189,6 +215,8 @@ def lower(
     producer_block = {n: block_at(span.birth) for n, span in life.items()}
     last_block = {n: block_at(span.last_use) for n, span in life.items()}
 
+    whole_of = {piece: whole for whole, pieces in views.values() for piece in pieces}
+    arena_outputs: list[tuple[str, ...]] = []  # per block: what it allocates (pieces for views)
     blocks = []
     for b, chunk in enumerate(chunks):
         block_nodes = [nodes[order[p]] for p in chunk]
@@ -200,12 +228,13 @@ def lower(
                 if name not in produced_set and name not in initializers and name not in inputs:
                     inputs.append(name)
         outs = [o for o in produced if o in output_set or last_block[o] > b]
+        arena_outputs.append(tuple(outs))
         blocks.append(
             Block(
                 index=b,
                 node_indices=tuple(order[p] for p in chunk),
                 inputs=tuple(inputs),
-                outputs=tuple(outs),
+                outputs=tuple(dict.fromkeys(whole_of.get(o, o) for o in outs)),  # what the session writes
                 workspace_bytes=_workspace(block_nodes, set(outs), infos),
             )
         )
@@ -229,7 +258,7 @@ def lower(
         if first_run:
             frees = tuple(dead_after_load) + frees
             first_run = False
-        steps.append(RunBlock(block.index, block.outputs, frees))
+        steps.append(RunBlock(block.index, arena_outputs[block.index], frees))
     # Swaps after the last node: swap-ins serve the fetches, swap-outs move the final state.
     # Resident outputs are fetched first (each fetch frees its bytes), then the swaps run in
     # the plan's order with each output fetched as soon as it is back: never more bytes at
@@ -256,7 +285,90 @@ def lower(
     return Program(
         tuple(blocks), tuple(steps), tuple(n for n in state_inputs if n not in host_state),
         tuple(n for n in graph_inputs if n in set(data_inputs)), fetches, host_state,
+        tuple(views[i] for i in sorted(views, key=order.index)),
     )
+
+
+def split_views(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: Sequence[int],
+                alignment: int = DEFAULT_ALIGNMENT) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """The split pass's ``Split`` nodes the lowering turns into views: node index -> (whole
+    value, pieces). A view needs the split axis contiguous (only size-1 dims before it), every
+    piece boundary on ``alignment``, the whole value produced by a node of ``order`` and read by
+    nothing but the Split, and every piece read by a later node and not a graph output."""
+    from graph_passes.split_pass import PASS_KEY, PASS_NAME  # here: the pass module pulls in onnx_ir
+
+    nodes = list(model.graph.node)
+    candidates = [i for i in order if nodes[i].op_type == "Split" and nodes[i].domain in ("", "ai.onnx")
+                  and any(p.key == PASS_KEY and p.value == PASS_NAME for p in nodes[i].metadata_props)]
+    if not candidates:
+        return {}
+    outputs = {o.name for o in model.graph.output}
+    readers: dict[str, int] = {}
+    produced: set[str] = set()
+    for index in order:
+        for name in consumed_names(nodes[index]):
+            readers[name] = readers.get(name, 0) + 1
+        produced.update(o for o in nodes[index].output if o)
+    views = {}
+    for index in candidates:
+        node = nodes[index]
+        whole, pieces = node.input[0], tuple(node.output)
+        if whole not in produced or whole in outputs or readers.get(whole) != 1 or whole not in infos:
+            continue
+        if any(not p or p in outputs or not readers.get(p) or p not in infos or not infos[p].nbytes for p in pieces):
+            continue
+        shape = infos[whole].shape
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % max(len(shape), 1)
+        if any(d != 1 for d in shape[:axis]):
+            continue
+        if any(infos[p].nbytes % alignment for p in pieces[:-1]):
+            continue
+        if sum(infos[p].nbytes for p in pieces) != infos[whole].nbytes:
+            continue
+        views[index] = (whole, pieces)
+    return views
+
+
+def _view_only(model: onnx.ModelProto, views) -> set[int]:
+    """The view Splits and the nodes only they read (their piece-size constants): no block runs them."""
+    skipped = set(views)
+    if not views:
+        return skipped
+    readers: dict[str, set[int]] = {}
+    for k, node in enumerate(model.graph.node):
+        for name in consumed_names(node):
+            readers.setdefault(name, set()).add(k)
+    outputs = {o.name for o in model.graph.output}
+    wholes = {whole for whole, _ in views.values()}
+    for k, node in enumerate(model.graph.node):
+        names = [o for o in node.output if o]
+        if names and all(o not in wholes and o not in outputs and readers.get(o) and readers[o] <= set(views)
+                         for o in names):
+            skipped.add(k)
+    return skipped
+
+
+def _view_surrogate(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], views):
+    """Nodes (same indices) where each view Split is empty and its input's producer writes the
+    pieces instead, and a graph of them (inputs and outputs kept) for liveness."""
+    nodes = list(nodes)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    for index, (whole, pieces) in views.items():
+        k = producer[whole]
+        node = onnx.NodeProto()
+        node.op_type, node.name, node.domain = nodes[k].op_type, nodes[k].name, nodes[k].domain
+        node.input.extend(nodes[k].input)
+        node.attribute.extend(nodes[k].attribute)  # subgraph captures count as reads
+        for name in nodes[k].output:
+            node.output.extend(pieces if name == whole else [name])
+        nodes[k] = node
+        nodes[index] = onnx.NodeProto(op_type="Split", name=nodes[index].name)
+    initializers = {t.name for t in graph.initializer}
+    surrogate = onnx.GraphProto(name=graph.name)
+    surrogate.input.extend(v for v in graph.input if v.name not in initializers)
+    surrogate.output.extend(graph.output)
+    surrogate.node.extend(nodes)
+    return list(surrogate.node), surrogate
 
 
 def _stable_order(graph_inputs: Sequence[str], nodes: Sequence[onnx.NodeProto]):

@@ -61,6 +61,13 @@ def required_bytes(program: Program, sizes: Mapping[str, int]) -> int:
     )
 
 
+def step_requirements(program: Program, sizes: Mapping[str, int]) -> list[tuple[int, int]]:
+    """(step index, bytes) for every step: the tensors it must hold and its block's workspace
+    (what :func:`required_bytes` maximizes)."""
+    return [(i, sum(sizes[n] for n in _needs(program, step) | set(_allocates(step))) + _workspace(program, step))
+            for i, step in enumerate(program.steps)]
+
+
 def blocks_over(program: Program, sizes: Mapping[str, int], budget: int) -> set[int]:
     """Blocks whose own inputs, outputs and workspace exceed ``budget``: no swap plan can run
     them (the per-block form of :func:`required_bytes`)."""

@@ -138,6 +138,14 @@ class DeviceArena:
             self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
         self._infos[name] = info
 
+    def allocate_view(self, name: str, info: TensorInfo, pieces, *, region: tuple[int, int] | None = None) -> None:
+        """Place ``name`` and divide it into ``pieces`` ((name, TensorInfo) in order, back to
+        back): a split view, written whole, read and freed piece by piece."""
+        self.allocate(name, info, region=region)
+        self.allocator.partition(name, [(piece, piece_info.nbytes) for piece, piece_info in pieces])
+        del self._infos[name]
+        self._infos.update(pieces)
+
     def compact(self) -> None:
         """Close the holes by moving tensors down. Pointers change; block sessions rebind on
         the next run."""

@@ -28,7 +28,7 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None, help="device budget: bytes, 64MiB, 1.5GiB or 0.5x of the unplanned peak (default: unlimited)")
     parser.add_argument("--steps", type=int, default=5, help="training steps to run (default 5)")
     parser.add_argument("--passes", default="auto",
-                        help="auto (what the budget needs: swap), none, or a comma list of passes (recompute, swap)")
+                        help="auto (what the budget needs: swap, then split), none, or a comma list of passes (recompute, swap, split)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on (cpu)")

@@ -21,13 +21,15 @@ import onnx
 from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
-from graph_passes.memory import MemoryTrace, align_up, simulate_program
+from graph_passes.memory import MemoryTrace, align_up, allocation_units, simulate_program
 from graph_passes.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.partition import fit_blocks, refine_blocks
 from graph_passes.program import (
     Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
 )
 from graph_passes.recompute_pass import recomputed_infos
+from graph_passes.split_pass import Cut, write_split_plan
+from graph_passes.split_planner import Bottleneck, JointPlanner, split_node_count
 from graph_passes.shapes import TensorInfo
 from graph_passes.schedule import training_spine, updates_early
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
@@ -80,6 +82,8 @@ class PreparedStep:
     swap_plan: SwapPlan | None = None
     model: onnx.ModelProto | None = None  # the graph the program runs (rewritten by recompute)
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
+    split_nodes: int = 0  # nodes the split pass added
+    split_plan: object = None  # graph_passes.split_planner.JointPlan
 
 
 class Runtime:
@@ -255,12 +259,25 @@ class GraphRunner:
             model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
         elif chosen is None and "swap" in self.passes:
             chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
+        split_nodes, split_plan, bottleneck = 0, None, ""
+        if chosen is None and "split" in self.passes and budget is not None and self.swap_points is None:
+            # Swap and recompute alone cannot: split the ops that do not fit (TSPLIT), swap the rest.
+            split = self._plan_split(input_infos, probe_feeds, infos, budget, needed)
+            if isinstance(split, Bottleneck):
+                # The minimum stated stays the one that plans without splits: the walk stops at
+                # the first op no split fits, so it cannot say what a split plan would need.
+                where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
+                bottleneck = f" (splitting stops at {where}: {split.reason})"
+            else:
+                model, infos, chosen, split_nodes, split_plan = split
+                recomputed = 0
         if chosen is None:
-            offered = [{"recompute": "recompute", "swap": "swapping"}[p] for p in ("recompute", "swap") if p in self.passes]
+            offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
+                       for p in ("recompute", "swap", "split") if p in self.passes]
             how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
             raise BudgetTooSmallError(
                 f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
-                f"{self.graph.name} needs {how}; raise the budget to at least that",
+                f"{self.graph.name} needs {how}; raise the budget to at least that{bottleneck}",
                 needed_bytes=needed,
                 budget_bytes=budget,
             )
@@ -268,7 +285,7 @@ class GraphRunner:
             self.recompute.observe(infos, unplanned_need)
         program, trace, applied, base, plan = chosen
         prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
-                                recomputed_nodes=recomputed)
+                                recomputed_nodes=recomputed, split_nodes=split_nodes, split_plan=split_plan)
         self._prepared[signature] = prepared
         self.last_trace = trace
         self.last_prepared = prepared
@@ -285,7 +302,7 @@ class GraphRunner:
         return lower(
             model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
             fetches=self.fetches, max_block_nodes=max_block_nodes, schedule=schedule, swap_points=self.swap_points,
-            extra_cuts=extra_cuts,
+            extra_cuts=extra_cuts, alignment=self.runtime.device.alignment,
         )
 
     def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
@@ -364,6 +381,49 @@ class GraphRunner:
         logger.info("recompute or swap for %s on %s: %s (%s)", self.graph.name, profile.name, label,
                     ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
         return model, model_infos, chosen, clones, needed
+
+    def _plan_split(self, input_infos, probe_feeds, infos, budget: int, needed: int):
+        """Split the ops too large for the budget (:class:`graph_passes.split_planner.JointPlanner`),
+        then plan swaps on the split graph (or, without the swap pass, the lowering that fits).
+        Returns (model, infos, chosen, split node count, JointPlan), or the Bottleneck."""
+        profile = self.runtime.planning_profile()
+
+        def lower_fine(model, model_infos):
+            return self.lower_program(model, model_infos, order_dependent_last(model), max_block_nodes=1)
+
+        def infer(model):
+            return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
+
+        # Planning for the machine the step runs on: the op and its micro-ops are profiled here
+        # (Eq. 6 from measured kernels); for another device's profile, the roofline estimates.
+        measure = self.runtime.device.kind == "cpu" and self.runtime.device.planning_profile is None
+        planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(profile),
+                               alignment=self.runtime.device.alignment, measure=measure)
+        result = planner.plan(self.model, infos, budget)
+        if isinstance(result, Bottleneck):
+            logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", self.graph.name, result.op_type,
+                        result.node, result.needed_bytes, result.reason)
+            return result
+        model, _ = write_split_plan(self.model, result.split, infos, cut=Cut.SPLIT)
+        split_infos = infer(model)
+        schedule = order_dependent_last(model)
+        programs = list(self.lowerings(model, split_infos, schedule))
+        chosen = None
+        if "swap" in self.passes:
+            chosen, least, _ = self._plan_swaps(programs, split_infos, budget, model)
+        else:
+            for program in programs:
+                trace = simulate_program(program, split_infos, alignment=self.runtime.device.alignment)
+                if trace.min_budget_bytes <= budget:
+                    chosen = (program, trace, (), program, None)
+                    break
+        if chosen is None:
+            return Bottleneck("", "", budget + 1, "the split graph has no program within the budget"
+                              + ("" if "swap" in self.passes else " without swapping"))
+        chosen = (chosen[0], chosen[1], ("split", *chosen[2]), *chosen[3:])
+        logger.info("split plan for %s: %d ops split, %d nodes added", self.graph.name, len(result.choices),
+                    split_node_count(model))
+        return model, split_infos, chosen, split_node_count(model), result
 
     def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
@@ -543,6 +603,7 @@ class _StepExecution:
         usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
         self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
         self.first_reader = _first_readers(prepared.program) if self.policy.region(0) is not None else {}
+        self.view_start = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
         self.block: int | None = None  # the block running or about to run
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
@@ -596,6 +657,12 @@ class _StepExecution:
             if not region[0] <= offset < region[1]:
                 self.stats.region_fallbacks += 1
 
+    def _allocate_view(self, name: str, pieces, block: int) -> None:
+        """Allocate split view ``name`` as its pieces, back to back."""
+        region = self.policy.region(block)
+        parts = [(p, self.infos[p]) for p in pieces]
+        self._with_room(lambda: self.arena.allocate_view(name, self.infos[name], parts, region=region))
+
     def _cap(self, workspace: int) -> None:
         if self.budget is not None:
             self._with_room(lambda: self.arena.limit(self.budget - workspace))
@@ -640,10 +707,13 @@ class _StepExecution:
         self.block = step.block
         self._cap(workspace)
         self._ensure_resident(session.block.inputs, f"block {step.block}")
-        for name in step.allocates:
-            self._allocate(name, step.block)
+        for name, pieces in allocation_units(self.prepared.program, step.allocates):
+            if pieces:
+                self._allocate_view(name, pieces, step.block)
+            else:
+                self._allocate(name, step.block)
         self._measure(workspace)
-        pointers = {n: arena.pointer(n) for n in session.block.inputs + session.block.outputs}
+        pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in session.block.inputs + session.block.outputs}
         try:
             session.run(pointers, self.infos)
         except Exception as e:

@@ -31,9 +31,9 @@ from ort_offload.runtime import GraphRunner, Runtime
 
 logger = logging.getLogger(__name__)
 
-AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap")  # split arrives with its issue
-# What "auto" uses: swap alone until the planner chooses between swap and recompute by cost.
-AUTO_PASSES: tuple[str, ...] = ("swap",)
+AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap", "split")
+# What "auto" uses: swap; split (TSPLIT) only where swap alone cannot plan the budget.
+AUTO_PASSES: tuple[str, ...] = ("swap", "split")
 PASS_CHOICES = ("auto", "none")
 CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 
@@ -271,7 +271,7 @@ class OrtTrainer:
             "swap_out_bytes": stats.swap_out_bytes,
             "swap_in_bytes": stats.swap_in_bytes,
             "recomputed_nodes": max((p.recomputed_nodes for p in self.runner.prepared_steps()), default=0),
-            "split_nodes": 0,
+            "split_nodes": max((p.split_nodes for p in self.runner.prepared_steps()), default=0),
             "faults": stats.faults,
             "prefetch_hits": stats.prefetch_hits,
             "step_time_s_median": statistics.median(train_times) if train_times else None,
