@@ -124,7 +124,7 @@ class _BoundPart:
 
 @dataclasses.dataclass
 class RuntimeStats:
-    """Counters of one :class:`BlockRuntime`, over every step so far (``reset`` clears them)."""
+    """Counters of one :class:`BlockRuntime`, over every step so far."""
 
     steps: int = 0
     invocations: int = 0

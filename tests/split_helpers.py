@@ -19,6 +19,19 @@ from graph_passes.split_rules import CONCAT, NodeInfo, SplitAxis, constant_value
 OPSET = 20
 IR_VERSION = 10  # what onnxruntime 1.31 loads
 
+# A chain whose elementwise ops split on the leading axis (the split planner and runtime tests).
+SPLIT_CHAIN_GRAPH = """
+<ir_version: 9, opset_import: ["" : 20]>
+g (float[64, 64] x, float[1, 64] r) => (float y) {
+    a = Sigmoid(x)
+    shape = Constant<value = int64[2] {64, 64}>()
+    b = Expand(r, shape)
+    z = Add(a, b)
+    t = Tanh(z)
+    y = ReduceSum<keepdims = 0>(t)
+}
+"""
+
 
 def single_op_model(op: str, inputs: Mapping[str, np.ndarray], *, attrs=None, constants=None,
                     input_order=None, outputs: int = 1) -> onnx.ModelProto:

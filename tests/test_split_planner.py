@@ -26,22 +26,12 @@ from graph_passes.memory import align_up
 from helpers import max_relative_diff, train_ort
 from ort_offload.errors import BudgetTooSmallError
 from ort_offload.trainer import resolve_passes
+from split_helpers import SPLIT_CHAIN_GRAPH
 
-GRAPH = """
-<ir_version: 9, opset_import: ["" : 20]>
-g (float[64, 64] x, float[1, 64] r) => (float y) {
-    a = Sigmoid(x)
-    shape = Constant<value = int64[2] {64, 64}>()
-    b = Expand(r, shape)
-    z = Add(a, b)
-    t = Tanh(z)
-    y = ReduceSum<keepdims = 0>(t)
-}
-"""
 
 
 def _small():
-    model = onnx.parser.parse_model(GRAPH)
+    model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
     inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (64, 64)), "r": shapes.TensorInfo(np.dtype(np.float32), (1, 64))}
     infos = shapes.infer_tensor_infos(model, inputs)
 

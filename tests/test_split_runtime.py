@@ -19,18 +19,8 @@ from graph_passes.split_rules import CONCAT, SplitAxis
 from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload.device import set_offload_device
 from ort_offload.runtime import GraphRunner, Runtime
+from split_helpers import SPLIT_CHAIN_GRAPH
 
-GRAPH = """
-<ir_version: 9, opset_import: ["" : 20]>
-g (float[64, 64] x, float[1, 64] r) => (float y) {
-    a = Sigmoid(x)
-    shape = Constant<value = int64[2] {64, 64}>()
-    b = Expand(r, shape)
-    z = Add(a, b)
-    t = Tanh(z)
-    y = ReduceSum<keepdims = 0>(t)
-}
-"""
 
 
 def _graph(model: onnx.ModelProto) -> TrainingGraph:
@@ -77,7 +67,7 @@ def test_partition_tiles_a_placement_and_frees_pieces_alone():
 
 @pytest.mark.parametrize("parts", [2, 4])
 def test_a_split_view_saves_in_the_replay_and_in_the_measured_peak(parts):
-    model = onnx.parser.parse_model(GRAPH)
+    model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
     x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     infos = _infos(model, x)
     split = _split_add(model, infos, parts)
@@ -103,7 +93,7 @@ def test_a_split_view_saves_in_the_replay_and_in_the_measured_peak(parts):
 
 
 def test_the_split_runs_under_a_budget_the_unsplit_graph_cannot():
-    model = onnx.parser.parse_model(GRAPH)
+    model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
     x = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
     infos = _infos(model, x)
     split = _split_add(model, infos, 4)
@@ -119,7 +109,7 @@ def test_the_split_runs_under_a_budget_the_unsplit_graph_cannot():
 
 
 def test_splits_that_cannot_be_views_are_copies():
-    model = onnx.parser.parse_model(GRAPH)
+    model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
     x = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
     infos = _infos(model, x)
     for split in (_split_add(model, infos, 4, axis=1), _split_add(model, infos, 4, cut=Cut.SLICE)):
