@@ -29,7 +29,6 @@ from ort_offload.trainer import resolve_passes
 from split_helpers import SPLIT_CHAIN_GRAPH
 
 
-
 def _small():
     model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
     inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (64, 64)), "r": shapes.TensorInfo(np.dtype(np.float32), (1, 64))}

@@ -22,7 +22,6 @@ from ort_offload.runtime import GraphRunner, Runtime
 from split_helpers import SPLIT_CHAIN_GRAPH
 
 
-
 def _graph(model: onnx.ModelProto) -> TrainingGraph:
     roles = {"x": Role.INPUT, "r": Role.INPUT, "y": Role.LOSS}
     for node in model.graph.node:
