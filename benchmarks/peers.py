@@ -20,8 +20,8 @@ Run ``python -m benchmarks.peers [--quick] [--out DIR]``. Model: GPT ``small`` (
 - **ours**: ``passes="swap"`` at budgets 1.0x, 0.5x, 0.25x of the unplanned peak and the minimum
   (a trainer asked for 1 byte raises ``BudgetTooSmallError`` naming it), ``passes="auto"`` at
   0.5x, and ``recompute``/``split`` at 0.5x; a pass ``ort_offload.trainer.resolve_passes``
-  rejects says "not implemented yet (issues 4/5)" (``split`` for now), one that cannot plan the
-  budget says so with the minimum it states.
+  rejects says "not implemented yet (issues 4/5)" (none since split has its planner), one that
+  cannot plan the budget says so with the minimum it states.
 
 Metrics per row (``METRICS``; each is a number or a string saying why there is none):
 

@@ -208,5 +208,6 @@ def test_markdown_and_printed_table(quick_run):
         assert line.startswith(f"| {row['label']} |"), (row["method"], line)
         assert line.count(" | ") == header.count(" | ")
     assert f"cuda: {result['cuda']['status']}" in md
-    assert "not implemented yet (issues 4/5)" in md
+    unbuilt = [row for row in result["rows"] if row.get("status") == "not_implemented"]
+    assert ("not implemented yet (issues 4/5)" in md) == bool(unbuilt)
     assert "ort_offload and its peers" in proc.stdout and "largest batch" in proc.stdout
