@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
     train.add_argument("--cache-dir", default=None, help="export cache directory")
-    train.add_argument("--predictor", default="pilot", choices=["pilot", "oracle", "none", "wrong"],
+    train.add_argument("--predictor", default=None, choices=["pilot", "oracle", "none", "wrong"],
                        help="dynamic models: who predicts each batch's path for prefetching (pilot: the trained pilot "
-                            "model, default; oracle: the true path; none: every fetch on demand; wrong: always "
-                            "mispredicted, for testing)")
+                            "model, the default where it can enumerate the model's paths, else oracle; oracle: the "
+                            "true path; none: every fetch on demand; wrong: always mispredicted, for testing)")
     train.add_argument("--misprediction-log", default=None, help="dynamic models: append mispredicted batches (JSON lines)")
     _add_common_run_options(train)
 
@@ -294,10 +294,18 @@ def _train_dynamic(args, device) -> int:
         spec = get_dynamic_model(args.model, args.config, seed=args.seed)
     except ValueError as e:
         raise UnknownModelError(str(e)) from e
-    if args.predictor == "pilot":
+    if args.predictor in (None, "pilot"):
         from ort_offload.pilot_support import make_pilot
+        from pilot.paths import PathSpaceTooLargeError
 
-        predictor = make_pilot(spec)
+        try:
+            predictor = make_pilot(spec)
+        except PathSpaceTooLargeError as e:
+            if args.predictor == "pilot":
+                raise OffloadError(f"the pilot cannot serve this model: {e}; use --predictor oracle or none") from e
+            print(f"ort-offload: note: the pilot cannot serve this model ({e}); prefetching from the true path "
+                  "(--predictor oracle) instead", file=sys.stderr)
+            predictor = OraclePredictor()
     else:
         predictor = {"oracle": OraclePredictor, "none": NoPredictor, "wrong": WrongPredictor}[args.predictor]()
     trainer = BlockwiseTrainer(

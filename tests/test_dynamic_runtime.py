@@ -292,3 +292,14 @@ def test_misprediction_cache_corrects_only_systematic_confusions():
     cache.record(said(right), right)
     cache.record(said(right), right)
     assert cache.lookup(said(right)) is None  # right twice, wrong once since: keep the prediction
+
+
+def test_cli_falls_back_from_the_pilot_only_when_not_asked_for_it(capsys):
+    """tree-lstm small has too many candidate paths for the pilot: by default the CLI says so and
+    prefetches from the true path; asking for the pilot explicitly is a one-line error."""
+    args = ["train", "--model", "tree-lstm", "--config", "small", "--steps", "1", "--quiet"]
+    assert main(args + ["--predictor", "pilot"]) == 2
+    err = capsys.readouterr().err
+    assert "the pilot cannot serve this model" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(args) == 0
+    assert "prefetching from the true path" in capsys.readouterr().err
