@@ -69,3 +69,19 @@ def _consumed(node: onnx.NodeProto) -> list[str]:
 
 def consumed_names(node: onnx.NodeProto) -> list[str]:
     return _consumed(node)
+
+
+def ancestor_nodes(nodes: Sequence[onnx.NodeProto], names, producer: dict[str, int] | None = None) -> set[int]:
+    """Indices of the nodes among ``nodes`` that the values ``names`` depend on (their producers,
+    transitively). ``producer``: value name -> node index, when the caller has it already."""
+    if producer is None:
+        producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    found: set[int] = set()
+    stack = [producer[n] for n in names if n in producer]
+    while stack:
+        index = stack.pop()
+        if index in found:
+            continue
+        found.add(index)
+        stack.extend(producer[n] for n in consumed_names(nodes[index]) if n in producer)
+    return found

@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import onnx
 
-from graph_passes.liveness import consumed_names
+from graph_passes.liveness import ancestor_nodes, consumed_names
 from graph_passes.mimose import bucket_choice
 from graph_passes.shapes import TensorInfo
 
@@ -85,15 +85,7 @@ def forward_nodes(model: onnx.ModelProto, loss_name: str) -> set[int]:
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     if loss_name not in producer:
         raise ValueError(f"no node produces the loss {loss_name!r}")
-    forward: set[int] = set()
-    stack = [producer[loss_name]]
-    while stack:
-        index = stack.pop()
-        if index in forward:
-            continue
-        forward.add(index)
-        stack.extend(producer[name] for name in consumed_names(nodes[index]) if name in producer)
-    return forward
+    return ancestor_nodes(nodes, [loss_name], producer)
 
 
 def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *, loss_name: str) -> list[Segment]:

@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 import onnx
 
-from graph_passes.liveness import consumed_names
+from graph_passes.liveness import ancestor_nodes, consumed_names
 from graph_passes.program import is_order_dependent
 
 
@@ -53,15 +53,7 @@ def updates_early(
             pinned.add(index)
     # Nodes the spine depends on keep their order, and so do pinned nodes (the movable nodes
     # a pinned one reads go right before it, at the latest).
-    keep: set[int] = set()
-    stack = [producer[n] for n in targets if n in producer]
-    while stack:
-        index = stack.pop()
-        if index in keep:
-            continue
-        keep.add(index)
-        stack.extend(producer[n] for n in consumed_names(nodes[index]) if n in producer)
-    keep |= pinned
+    keep = ancestor_nodes(nodes, targets, producer) | pinned
     movable = [index for index in order if index not in keep]
     if not movable:
         return None

@@ -94,44 +94,39 @@ def test_gradients_equal_torch(name, cache):
     logger.info("%s: max rel grad diff %.3g over %d paths", name, worst, len(paths))
 
 
-@pytest.mark.parametrize("name", sorted(KEYS))
-def test_sgd_losses_equal_torch(name, cache):
-    spec = get_dynamic_model(name, "tiny")
+def _train_beside_torch(spec, cache, optimizer: str, lr: float, batches) -> BlockwiseTrainer:
+    """Train ``spec`` block-wise and a deep copy in plain torch on the same batches; assert
+    every loss and, at the end, every parameter agree within REL_TOL. Returns the trainer."""
     ref = copy.deepcopy(spec.model)
-    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, optimizer="sgd", lr=0.1, cache=cache)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for seed, key in enumerate(KEYS[name]):
-        inputs, targets = spec.make_batch(BATCH, seed=10 + seed, key=key)
+    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, optimizer=optimizer, lr=lr, cache=cache)
+    ref_opt = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](ref.parameters(), lr=lr)
+    for step, (inputs, targets) in enumerate(batches):
         got = trainer.step(*inputs, *targets)
         ref_opt.zero_grad(set_to_none=True)
         loss = spec.loss_fn(ref(*inputs), *targets)
         loss.backward()
         ref_opt.step()
         want = float(loss.detach())
-        assert abs(got - want) <= REL_TOL * abs(want), (seed, got, want)
-    assert len(trainer.losses) == len(KEYS[name])
+        assert abs(got - want) <= REL_TOL * abs(want), (step, got, want)
     for (pname, p), (_, q) in zip(spec.model.named_parameters(), ref.named_parameters(), strict=True):
         assert _rel(p.detach(), q.detach()) <= REL_TOL, pname
     trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_sgd_losses_equal_torch(name, cache):
+    spec = get_dynamic_model(name, "tiny")
+    batches = [spec.make_batch(BATCH, seed=10 + seed, key=key) for seed, key in enumerate(KEYS[name])]
+    trainer = _train_beside_torch(spec, cache, "sgd", 0.1, batches)
+    assert len(trainer.losses) == len(KEYS[name])
     assert all("forward" not in block.__dict__ for block in spec.model.blocks())
 
 
 def test_adamw_steps_equal_torch(cache):
     spec = get_dynamic_model("var-lstm", "tiny")
-    ref = copy.deepcopy(spec.model)
-    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, optimizer="adamw", lr=1e-2, cache=cache)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for seed, key in enumerate((6, 12, 4)):
-        inputs, targets = spec.make_batch(BATCH, seed=20 + seed, key=key)
-        got = trainer.step(*inputs, *targets)
-        ref_opt.zero_grad(set_to_none=True)
-        loss = spec.loss_fn(ref(*inputs), *targets)
-        loss.backward()
-        ref_opt.step()
-        assert abs(got - float(loss.detach())) <= REL_TOL * abs(float(loss.detach()))
-    for (pname, p), (_, q) in zip(spec.model.named_parameters(), ref.named_parameters(), strict=True):
-        assert _rel(p.detach(), q.detach()) <= REL_TOL, pname
-    trainer.close()
+    batches = [spec.make_batch(BATCH, seed=20 + seed, key=key) for seed, key in enumerate((6, 12, 4))]
+    _train_beside_torch(spec, cache, "adamw", 1e-2, batches)
 
 
 def test_each_block_signature_exported_once(tmp_path):
