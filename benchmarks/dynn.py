@@ -42,7 +42,6 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from benchmarks import common as bench
 

@@ -235,7 +235,7 @@ def lower(
                 node_indices=tuple(order[p] for p in chunk),
                 inputs=tuple(inputs),
                 outputs=tuple(dict.fromkeys(whole_of.get(o, o) for o in outs)),  # what the session writes
-                workspace_bytes=_workspace(block_nodes, set(outs), infos),
+                workspace_bytes=nodes_workspace_bytes(block_nodes, set(outs), infos),
             )
         )
 
@@ -379,7 +379,7 @@ def _stable_order(graph_inputs: Sequence[str], nodes: Sequence[onnx.NodeProto]):
     return lambda name: rank.get(name, len(rank))
 
 
-def _workspace(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
+def nodes_workspace_bytes(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
     """Peak bytes of values born and dead inside the block, walking its nodes in order."""
     last_use: dict[str, int] = {}
     for i, node in enumerate(block_nodes):

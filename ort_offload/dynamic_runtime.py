@@ -60,7 +60,7 @@ import onnx
 import torch
 
 from graph_passes.memory import OutOfArenaMemory
-from graph_passes.program import _workspace
+from graph_passes.program import nodes_workspace_bytes
 from graph_passes.shapes import TensorInfo
 from ort_offload.arena import DeviceArena, make_policy
 from ort_offload.copy_engine import CopyEngine
@@ -107,7 +107,7 @@ class _BoundPart:
         missing = [n for n in self.inputs + self.outputs if n not in self.infos]
         if missing:
             raise ExecutionError(f"block part {model.graph.name} has no static shape for {', '.join(missing)}")
-        self.workspace_bytes = _workspace(list(model.graph.node), set(self.outputs), self.infos)
+        self.workspace_bytes = nodes_workspace_bytes(list(model.graph.node), set(self.outputs), self.infos)
         self._bound: dict[str, int] = {}
 
     def run(self, arena: DeviceArena, names: dict[str, str]) -> None:
