@@ -128,9 +128,15 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
     assert report["peak_device_bytes"] <= budget and report["within_budget"]
     assert "split" in report["passes"] and report["split_nodes"] > 0
     assert report["steps"] == 5
-    # The cuts the runtime makes views of, and the measured peak is the plan's arena replay.
+    # The measured peak is the plan's arena replay. Which axis each op is cut on is chosen from
+    # kernels timed on this machine (near ties between batch and channel), so it varies from run
+    # to run: a batch (leading-axis) cut is lowered as a view, a channel cut as a copying Split.
     prepared = run.trainer.runner.last_prepared
-    assert prepared.program.views and prepared.split_plan.checked_peak_bytes <= budget
+    assert prepared.split_plan.checked_peak_bytes <= budget
+    if any(choice.axis.axis == 0 for choice in prepared.split_plan.choices):
+        assert prepared.program.views
+    for whole, pieces in prepared.program.views:  # pieces back to back make up the whole value
+        assert len(pieces) >= 2 and whole not in pieces
     assert report["peak_device_bytes"] == prepared.trace.peak_device_bytes
     for got, expected in zip(run.losses, unplanned.losses):
         assert abs(got - expected) <= 1e-5 * abs(expected)
