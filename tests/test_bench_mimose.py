@@ -57,6 +57,25 @@ def test_three_plans_on_the_same_epoch_within_budget_and_bitwise(quick_run):
     assert rows["static"]["recompute"]["policy"] == "static"
     assert epoch["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
     assert epoch["speedup_run_existing_plans"] > 0
+    assert epoch["speedup_ceiling_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["unplanned"]["epoch_s"])
+
+
+def test_simulated_epochs_replay_each_trainers_programs(quick_run):
+    _, proc, result = quick_run
+    epoch = result["epoch"]
+    rows = {r["row"]: r for r in epoch["rows"]}
+    for name, sim in epoch["simulated"].items():
+        totals = sim["epoch_s"]
+        for row, steps in ((r, rows[r]["per_step"]) for r in totals):
+            assert totals[row] == pytest.approx(sum(s["simulated_s"][name] for s in steps))
+        # Recompute only adds kernels: the planned programs never simulate faster than unplanned,
+        # and a length the input-aware trainer runs unplanned simulates as the unplanned one does.
+        assert totals["unplanned"] <= min(totals["static"], totals["input_aware"])
+        for plain, aware in zip(rows["unplanned"]["per_step"], rows["input_aware"]["per_step"]):
+            if aware["recomputed_nodes"] == 0:
+                assert aware["simulated_s"][name] == pytest.approx(plain["simulated_s"][name])
+        assert sim["speedup_epoch"] == pytest.approx(totals["static"] / totals["input_aware"])
+        assert f"simulated on {name}" in proc.stdout
 
 
 def test_plan_time_and_estimator_error_are_measured(quick_run):
