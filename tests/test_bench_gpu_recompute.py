@@ -1,0 +1,35 @@
+"""The GPU recompute-cost check (benchmarks/gpu_recompute.py) runs end to end on the CPU and
+writes consistent JSON; on the CUDA machine it runs the same code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gpu_recompute
+
+
+def test_a_cpu_run_times_both_steps_per_length(tmp_path, capsys):
+    out = tmp_path / "gpu_recompute.json"
+    assert gpu_recompute.main(["--device", "cpu", "--config", "tiny", "--lengths", "16,24",
+                               "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "bert-tiny" and [r["length"] for r in result["rows"]] == [16, 24]
+    for row in result["rows"]:
+        plain, recompute = row["plain"], row["recompute_all"]
+        assert plain["step_s"] > 0 and recompute["step_s"] > 0
+        assert row["recompute_over_plain"] == pytest.approx(recompute["step_s"] / plain["step_s"])
+        assert recompute["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-6)
+    total = sum(r["recompute_all"]["step_s"] for r in result["rows"]) / sum(r["plain"]["step_s"] for r in result["rows"])
+    assert result["ceiling_over_lengths"] == pytest.approx(total)
+    assert "recompute-all over plain" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "a,b"], ["--repeats", "0"], ["--lengths", ""]])
+def test_bad_arguments_exit_with_one_line(tmp_path, argv):
+    out = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as exited:
+        gpu_recompute.main(["--device", "cpu", "--out", str(out), *argv])
+    assert isinstance(exited.value.code, str) and "\n" not in exited.value.code
+    assert not out.exists()
