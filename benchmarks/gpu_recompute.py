@@ -71,7 +71,8 @@ def _median_s(torch, step, device, repeats: int, warmup: int) -> tuple[float, fl
     return statistics.median(times), float(losses[0])
 
 
-def measure(config: str, device_name: str, lengths: Sequence[int], repeats: int, warmup: int) -> dict[str, Any]:
+def measure(config: str, device_name: str, lengths: Sequence[int], repeats: int, warmup: int,
+            batch: int | None = None) -> dict[str, Any]:
     import copy
 
     import torch
@@ -85,7 +86,7 @@ def measure(config: str, device_name: str, lengths: Sequence[int], repeats: int,
     spec = get_model("bert", config)
     rows = []
     for length in lengths:
-        (ids,), (y,) = spec.make_batch(seq=length, seed=length)
+        (ids,), (y,) = spec.make_batch(batch, seq=length, seed=length)
         ids, y = ids.to(device), y.to(device)
         row: dict[str, Any] = {"length": length}
         for label, recompute in (("plain", False), ("recompute_all", True)):
@@ -104,7 +105,7 @@ def measure(config: str, device_name: str, lengths: Sequence[int], repeats: int,
                              f"{row['recompute_all']['first_loss']} differs from the plain one {row['plain']['first_loss']}")
         row["recompute_over_plain"] = row["recompute_all"]["step_s"] / row["plain"]["step_s"]
         rows.append(row)
-    return {"benchmark": "gpu_recompute", "model": f"bert-{config}", "batch": spec.default_batch,
+    return {"benchmark": "gpu_recompute", "model": f"bert-{config}", "batch": int(batch or spec.default_batch),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "repeats": repeats, "warmup": warmup, "rows": rows,
             # over lengths spread evenly, as an epoch of uniform lengths: the most an input-aware
@@ -128,6 +129,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default="small", help="bert config (default small, as benchmarks/mimose.py)")
     parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size (default the config's, 16 for small: small enough that a GPU step is "
+                             "mostly kernel launches; larger batches show the compute share)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True, help="JSON result file")
@@ -140,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths = [int(n) for n in args.lengths.split(",") if n]
     except ValueError:
         raise SystemExit(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
-    if not lengths or args.repeats < 1 or args.warmup < 1:
-        raise SystemExit("--lengths needs at least one length; --repeats and --warmup must be >= 1")
-    result = measure(args.config, args.device, lengths, args.repeats, args.warmup)
+    if not lengths or args.repeats < 1 or args.warmup < 1 or (args.batch is not None and args.batch < 1):
+        raise SystemExit("--lengths needs at least one length; --repeats, --warmup and --batch must be >= 1")
+    result = measure(args.config, args.device, lengths, args.repeats, args.warmup, args.batch)
     print_result(result)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
     return 0

@@ -26,7 +26,7 @@ def test_a_cpu_run_times_both_steps_per_length(tmp_path, capsys):
     assert "recompute-all over plain" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--lengths", "a,b"], ["--repeats", "0"], ["--lengths", ""]])
+@pytest.mark.parametrize("argv", [["--lengths", "a,b"], ["--repeats", "0"], ["--lengths", ""], ["--batch", "0"]])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv):
     out = tmp_path / "x.json"
     with pytest.raises(SystemExit) as exited:
