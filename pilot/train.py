@@ -15,6 +15,20 @@ and every variant has a different table, so variants would split its samples. He
 contribute no training sample; every family, held out or not, is tested on its own ``tiny``
 config with seeds disjoint from training.
 
+Limits (measured, committed pilots ``pilot/pilot-report.json`` / ``pilot-holdout-report.json``).
+var-BERT in the all-family pilot (~0.72 exact) is capped by contradicting training data, not by
+the fit: ``fixed-bert`` with 4 (or 2) layers is the same model class with ``segments == 1``, so
+its AFM summary, network type and, for a sample without markers, sample features equal those of
+``var-bert/tiny`` (or its 2-layer variant), while its target is the full depth and var-BERT's is
+one segment. The MLP learns the average and misses almost every zero-marker var-BERT sample
+(trained on var-BERT alone it is exact on all 200). Telling the two apart needs the control flow
+in the input (e.g. the number and lengths of the candidate paths): that made var-BERT exact in
+our runs, but it also made held-out var-LSTM fall from 1.0 to ~0.1, since var-LSTM transfers
+only by looking like the fixed-LSTM of its length; so the inputs do not carry it. Held-out
+var-BERT (~0.25) is predicted as a fixed-depth BERT (always the full depth): no training family
+has a depth that follows the count of a repeated token, so nothing family-agnostic transfers.
+Tree-LSTM gets its path length right and misses the tree shape about half the time.
+
 Optimizer. Adam (lr 3e-3, cosine decay, mini-batches of 256, squared error on the block-unit
 targets, each column weighted by its architecture's :attr:`pilot.mapping.PathMapper.loss_weight`
 (``1 / resolution**2``: an error counts in units of the gap between the candidates that column
