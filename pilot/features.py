@@ -42,7 +42,13 @@ Sample features. The model's own embedding module (``tok_emb`` / ``embedding``, 
   is one input (plus collisions), readable by a linear layer; a sum-pooled vector mixes it with
   every other token. This is a hashed bag of tokens, seen through the embedding;
 - the first ``POSITION_SLOTS`` positions, each projected to one number: order, which a pooled
-  vector loses and a tree's bracket structure needs.
+  vector loses and a tree's bracket structure needs;
+- for the same positions, how far back the same embedding row last occurred (``(i - j) /
+  POSITION_SLOTS`` for the previous occurrence ``j``, 0 at a first occurrence): where the
+  repeated tokens sit and how they alternate, without knowing which token repeats. A projected
+  scalar alone cannot tell a bracket from a word whose random embedding projects to a similar
+  value; a repeat offset can (Tree-LSTM exact-path accuracy 0.27 -> 0.47-0.50 in the committed
+  pilots; its path length was already right, the tree shape was what it missed).
 
 Honest limits: the projection and the per-position scalars are model-specific (they go through
 the model's own random embedding table), so what the MLP learns about *which* token marks a
@@ -94,7 +100,7 @@ REPEAT_POOL_DIMS = 8
 TOP_MULTIPLICITIES = 4
 HASH_BUCKETS = 64
 POSITION_SLOTS = 24
-SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + REPEAT_POOL_DIMS + TOP_MULTIPLICITIES + HASH_BUCKETS + POSITION_SLOTS
+SAMPLE_FEATURE_SIZE = 2 + SUM_POOL_DIMS + REPEAT_POOL_DIMS + TOP_MULTIPLICITIES + HASH_BUCKETS + 2 * POSITION_SLOTS
 PROJECTION_SEED = 20240607
 """Seed of the fixed random projections of the embedding (part of the feature definition)."""
 
@@ -249,8 +255,13 @@ def sample_features(model: nn.Module, ids: torch.Tensor, *, embedding: nn.Embedd
     multiplicities = np.zeros(TOP_MULTIPLICITIES)
     repeated = np.zeros(REPEAT_POOL_DIMS)
     buckets = np.zeros(HASH_BUCKETS)
+    offsets = np.zeros(POSITION_SLOTS)
     for row in embedded:
-        rows, counts = np.unique(row, axis=0, return_counts=True)
+        rows, inverse, counts = np.unique(row, axis=0, return_inverse=True, return_counts=True)
+        last: dict[int, int] = {}
+        for i, token in enumerate(inverse.reshape(-1)[:POSITION_SLOTS].tolist()):
+            offsets[i] += (i - last.get(token, i)) / POSITION_SLOTS
+            last[token] = i
         top = np.sort(counts)[::-1][:TOP_MULTIPLICITIES]
         multiplicities[: len(top)] += top / seq
         repeated += (counts.astype(np.float64) ** 2 @ rows) @ repeat / seq**2
@@ -259,7 +270,7 @@ def sample_features(model: nn.Module, ids: torch.Tensor, *, embedding: nn.Embedd
     positions = np.zeros(POSITION_SLOTS)
     positions[: scalars.shape[0]] = scalars
     return np.concatenate([[np.log1p(seq), seq / POSITION_SLOTS], summed, repeated / batch,
-                           multiplicities / batch, buckets / batch, positions])
+                           multiplicities / batch, buckets / batch, positions, offsets / batch])
 
 
 def feature_size() -> int:

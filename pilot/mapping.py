@@ -1,8 +1,8 @@
 """The pilot's output encoding and its mapping back to block invocations (DyNN-Offload §IV-B).
 
-Owns :data:`SLOT_COLUMNS`, :func:`output_size`, :func:`encode` (path + execution blocks → the
-output vector), :func:`output_scale` and :class:`PathMapper` (output vector → path and
-execution blocks).
+Owns :data:`SLOT_COLUMNS`, :data:`RESOLUTION_FLOOR`, :func:`output_size`, :func:`encode` (path +
+execution blocks → the output vector), :func:`output_scale` and :class:`PathMapper` (output
+vector → path and execution blocks, and the per-column loss weights of its architecture).
 
 Encoding. ``MAX_EXECUTION_BLOCKS`` slots, one per execution block (unused slots zero), each the
 paper's 10-vector summed over the block invocations of that execution block: op count, the six
@@ -36,13 +36,15 @@ from pilot.architecture import PilotArchitecture
 from pilot.features import BLOCK_VECTOR_SIZE
 from pilot.partition import MAX_EXECUTION_BLOCKS
 
-__all__ = ["SLOT_COLUMNS", "PathMapper", "encode", "output_scale", "output_size"]
+__all__ = ["RESOLUTION_FLOOR", "SLOT_COLUMNS", "PathMapper", "encode", "output_scale", "output_size"]
 
 ORDER_MOMENTS = 2
 SLOT_COLUMNS = BLOCK_VECTOR_SIZE + 1 + ORDER_MOMENTS
 """Per execution block: op count, six idiom sums, three dim sums, sum of block indices, and
 the order moments ``sum_j (j + 1)**k * (b_j + 1)`` for ``k = 1, 2`` over its invocations ``j``
 (position in the path) of block ``b_j``."""
+RESOLUTION_FLOOR = 0.1
+"""Smallest column resolution (block units) the loss weights honour: weights are at most 100."""
 
 
 def output_size() -> int:
@@ -84,6 +86,29 @@ def encode(arch: PilotArchitecture, path: Sequence[int], blocks: Sequence[tuple[
         for k in range(1, ORDER_MOMENTS + 1):
             out[slot, static + k - 1] = (position**k * weight).sum()
     return np.rint(out).astype(np.int64).reshape(-1)
+
+
+def _smallest_gap(values: np.ndarray) -> float:
+    """Smallest difference between distinct entries of ``values`` (inf with fewer than two)."""
+    distinct = np.unique(np.round(values, 9))
+    return float(np.diff(distinct).min()) if distinct.size > 1 else np.inf
+
+
+def _loss_weight(units: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """Per-column ``1 / resolution**2`` of the candidate encodings ``units`` (block units, one
+    row per distinct candidate), given the groups of equal running op totals (module docstring)."""
+    resolution = np.full(units.shape[1], np.inf)
+    for column in range(units.shape[1]):
+        if column % SLOT_COLUMNS == 0:  # op count: decides the group among all candidates
+            resolution[column] = _smallest_gap(units[:, column])
+        else:  # the other columns only break ties inside a group
+            for members in groups:
+                if len(members) > 1:
+                    resolution[column] = min(resolution[column], _smallest_gap(units[list(members), column]))
+    weight = np.ones(units.shape[1])
+    finite = np.isfinite(resolution)
+    weight[finite] = np.maximum(1.0, 1.0 / np.maximum(resolution[finite], RESOLUTION_FLOOR) ** 2)
+    return weight.astype(np.float32)
 
 
 class PathMapper:
@@ -134,6 +159,8 @@ class PathMapper:
             self._group_units.append(np.ascontiguousarray(units[:, columns], dtype=np.float32))
             self._group_ones.append(np.ones(columns.size, dtype=np.float32))
         self._ones_slots = np.ones(MAX_EXECUTION_BLOCKS, dtype=np.float32)
+        self.loss_weight = _loss_weight(table / self.scale, list(groups.values()))
+        """[output_size()] float32 per-column weights of the squared error (module docstring)."""
 
     def target(self, path: Sequence[int]) -> np.ndarray:
         """The training target of ``path``: its encoding in block units (float32)."""

@@ -9,9 +9,12 @@ training set's mean and standard deviation (stored in the net and in the ONNX gr
 input layer ``F → H``, hidden ``H → H``, output ``H → O`` with LeakyReLU between (the paper's
 input layer, two hidden layers, output layer), ``O`` = :func:`pilot.mapping.output_size`. The
 network-type one-hot selects the MLP whose output counts. Width ``H = 48``: three MLPs then hold
-~33k parameters (~130 KB as float32), small enough to commit and to run well under 30 µs; the
-paper's own numbers (3,260 parameters vs. 512 neurons per layer) contradict each other, so the
-width was chosen by the accuracy/latency measured here (``benchmarks/pilot_bench.py``).
+~47k parameters (F = 170 inputs; ~190 KB as float32), small enough to commit and to run well
+under 30 µs; the paper's own numbers (3,260 parameters vs. 512 neurons per layer) contradict
+each other, so the width was chosen by the accuracy/latency measured here
+(``benchmarks/pilot_bench.py``). Width is not what limits accuracy: 96 wide gave the same
+per-family exact-path accuracy as 48 in our runs (the limits are in the inputs, see
+:mod:`pilot.train`).
 """
 
 from __future__ import annotations

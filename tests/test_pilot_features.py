@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pilot.features import (
-    AFM_SUMMARY_SIZE, SAMPLE_FEATURE_SIZE, BlockGraph, afm_summary, architecture_feature_matrix,
+    AFM_SUMMARY_SIZE, POSITION_SLOTS, SAMPLE_FEATURE_SIZE, BlockGraph, afm_summary, architecture_feature_matrix,
     feature_size, network_type_one_hot, profile_block, sample_features,
 )
 from pilot.idioms import IDIOM_TABLE, IDIOMS, UnknownOpError, idiom_counts, op_signature
@@ -71,6 +71,23 @@ def test_sample_features_keep_length_and_marker_counts():
     (ids,), _ = spec.make_batch(4, seed=5, key=2)
     rows = np.mean([sample_features(spec.model, ids[i : i + 1]) for i in range(4)], axis=0)
     np.testing.assert_allclose(sample_features(spec.model, ids), rows, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_offsets_say_how_far_back_each_token_last_occurred():
+    spec, _ = spec_and_architecture("tree-lstm")
+    open_, close = spec.config.vocab - 2, spec.config.vocab - 1
+    ids = torch.tensor([[open_, open_, 1, 2, close, 3, close]])  # ( ( a b ) c )
+    offsets = sample_features(spec.model, ids)[-POSITION_SLOTS:]
+    expected = np.zeros(POSITION_SLOTS)
+    expected[1] = 1 / POSITION_SLOTS  # the second OPEN, one back
+    expected[6] = 2 / POSITION_SLOTS  # the second CLOSE, two back
+    np.testing.assert_allclose(offsets, expected)
+    # same brackets, other words: the same offsets (what repeats, not which token)
+    other = torch.tensor([[open_, open_, 7, 9, close, 11, close]])
+    np.testing.assert_allclose(sample_features(spec.model, other)[-POSITION_SLOTS:], expected)
+    # another tree shape, other offsets: ( a ( b c ) ) puts the CLOSEs one apart
+    right = torch.tensor([[open_, 1, open_, 2, 3, close, close]])
+    assert not np.allclose(sample_features(spec.model, right)[-POSITION_SLOTS:], expected)
 
 
 def test_trace_records_the_path_and_round_trips_as_json():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pilot.mapping import PathMapper, encode
+from pilot.mapping import RESOLUTION_FLOOR, SLOT_COLUMNS, PathMapper, encode
 from pilot.prediction import PathPrediction
 from pilot_helpers import FAMILIES, spec_and_architecture
 
@@ -56,3 +56,38 @@ def test_nearest_candidate_when_no_exact_match():
     raw = mapper.target(path) * 1.02  # off by 2%: no exact match, nearest by running op totals
     index, exact, _ = mapper.map(raw)
     assert not exact and mapper.paths[index] == path
+
+
+def test_loss_weight_is_the_inverse_square_gap_between_the_candidates_a_column_tells_apart():
+    # MoE's experts share op counts (one group) and differ by fractions of a block unit in the
+    # index and moment columns: those columns get weight 1 / gap**2, the op counts weight 1.
+    _, arch = spec_and_architecture("moe")
+    mapper = PathMapper(arch)
+    units = np.stack([mapper.target(p) for p in mapper.paths]).astype(np.float64)
+    weight = mapper.loss_weight
+    assert weight.shape == units[0].shape and weight.dtype == np.float32
+    assert np.all(weight[::SLOT_COLUMNS] == 1.0)  # equal op counts: the op column picks nothing
+    deciding = np.flatnonzero(units.max(axis=0) > units.min(axis=0))
+    assert deciding.size and np.all(deciding % SLOT_COLUMNS != 0)
+    for column in deciding:
+        gap = np.diff(np.unique(np.round(units[:, column], 9))).min()
+        assert weight[column] == pytest.approx(1 / max(gap, RESOLUTION_FLOOR) ** 2, rel=1e-5)
+        assert weight[column] > 1.0
+    idle = np.setdiff1d(np.arange(weight.size), deciding)
+    assert np.all(weight[idle] == 1.0)
+
+
+def test_loss_weight_of_other_columns_counts_only_gaps_inside_a_group():
+    # var-BERT's depths differ in op counts (every candidate its own group): the op column of the
+    # first slot gets 1 / gap**2 of the depths, and no other column decides anything.
+    _, arch = spec_and_architecture("var-bert")
+    mapper = PathMapper(arch)
+    units = np.stack([mapper.target(p) for p in mapper.paths]).astype(np.float64)
+    gap = np.diff(np.unique(np.round(units[:, 0], 9))).min()
+    assert mapper.loss_weight[0] == pytest.approx(max(1.0, 1 / max(gap, RESOLUTION_FLOOR) ** 2), rel=1e-5)
+    others = np.ones(mapper.loss_weight.size, dtype=bool)
+    others[::SLOT_COLUMNS] = False
+    assert np.all(mapper.loss_weight[others] == 1.0)
+    # Tree-LSTM's moment gaps are far below the floor: capped at 1 / floor**2.
+    _, tree = spec_and_architecture("tree-lstm")
+    assert PathMapper(tree).loss_weight.max() == pytest.approx(1 / RESOLUTION_FLOOR**2)
