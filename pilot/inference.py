@@ -29,7 +29,7 @@ import torch
 
 from pilot.architecture import PilotArchitecture
 from pilot.features import AFM_SUMMARY_SIZE, NETWORK_TYPES, embedding_module, feature_size, sample_features
-from pilot.mapping import PathMapper, output_size
+from pilot.mapping import PathMapper, block_unit_key, output_size
 from pilot.prediction import PathPrediction
 
 __all__ = ["DEFAULT_PILOT_PATH", "Pilot"]
@@ -118,15 +118,15 @@ class Pilot:
         start = time.perf_counter()
         raw = self.run(features, arch.one_hot)
         middle = time.perf_counter()
-        index, _, key = mapper.map(raw)
-        prediction = PathPrediction(
+        index, _, _ = mapper.map(raw)
+        mapped = time.perf_counter()
+        return PathPrediction(
             path=mapper.paths[index],
             execution_blocks=mapper.blocks[index],
-            key=(arch.name, key),
+            key=(arch.name, block_unit_key(raw)),  # the misprediction cache's; not part of the mapping
             inference_us=(middle - start) * 1e6,
-            mapping_us=(time.perf_counter() - middle) * 1e6,
+            mapping_us=(mapped - middle) * 1e6,
         )
-        return prediction
 
     def predict(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> PathPrediction:
         """Predict the path and execution blocks of the batch ``inputs`` (``(ids,)``)."""

@@ -36,7 +36,7 @@ from pilot.architecture import PilotArchitecture
 from pilot.features import BLOCK_VECTOR_SIZE
 from pilot.partition import MAX_EXECUTION_BLOCKS
 
-__all__ = ["RESOLUTION_FLOOR", "SLOT_COLUMNS", "PathMapper", "encode", "output_scale", "output_size"]
+__all__ = ["RESOLUTION_FLOOR", "SLOT_COLUMNS", "PathMapper", "block_unit_key", "encode", "output_scale", "output_size"]
 
 ORDER_MOMENTS = 2
 SLOT_COLUMNS = BLOCK_VECTOR_SIZE + 1 + ORDER_MOMENTS
@@ -49,6 +49,12 @@ RESOLUTION_FLOOR = 0.1
 
 def output_size() -> int:
     return MAX_EXECUTION_BLOCKS * SLOT_COLUMNS
+
+
+def block_unit_key(raw: np.ndarray) -> bytes:
+    """``raw`` (the pilot's output, block units) rounded to whole block units, as bytes: what the
+    misprediction cache keys on beside the predicted path (``ort_offload.misprediction_cache``)."""
+    return np.rint(raw).astype(np.int32).tobytes()
 
 
 def _invocation_vectors(arch: PilotArchitecture) -> np.ndarray:
@@ -169,7 +175,7 @@ class PathMapper:
 
     def map(self, raw: np.ndarray) -> tuple[int, bool, bytes]:
         """Index into :attr:`paths` / :attr:`blocks` of the candidate for ``raw`` (block units,
-        [output_size()]), whether it matched exactly, and the rounded output as the cache key."""
+        [output_size()]), whether it matched exactly, and the exact-match table's key (the output de-normalized and rounded)."""
         key = np.rint(raw * self._scale32).astype(np.int64).tobytes()
         hit = self.exact.get(key)
         if hit is not None:

@@ -34,8 +34,9 @@ class PathPrediction:
     ``path``: predicted block invocations, indices into ``model.blocks()`` in call order.
     ``execution_blocks``: half-open ``(start, end)`` ranges over positions of ``path`` that
     tile it in order (empty when ``path`` is empty).
-    ``key``: the raw predictor output, hashable; the misprediction cache is keyed by it (equal
-    keys mean the pilot said the same thing, so the corrected path of an earlier miss applies).
+    ``key``: the predictor's raw output, hashable (the pilot's rounded to whole block units); the
+    misprediction cache is keyed by it with ``path`` (equal keys mean the predictor said the same
+    thing, so the corrected path of an earlier miss applies).
     ``inference_us`` / ``mapping_us``: time spent producing the raw output and mapping it back
     to a path (0 for predictors without those stages).
     """

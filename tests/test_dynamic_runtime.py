@@ -294,6 +294,29 @@ def test_misprediction_cache_corrects_only_systematic_confusions():
     assert cache.lookup(said(right)) is None  # right twice, wrong once since: keep the prediction
 
 
+def test_misprediction_cache_tells_apart_outputs_that_map_to_the_same_path():
+    """The same predicted path said two ways (pilot outputs a block unit apart): a confusion seen
+    under one key corrects that key only."""
+    from ort_offload.misprediction_cache import MispredictionCache
+    from pilot.mapping import block_unit_key
+    from pilot.prediction import PathPrediction, even_groups
+
+    path, truth = (0, 1, 2, 3), (0,)
+    near, between = np.zeros(8, np.float32), np.full(8, 0.4, np.float32)
+    between[0] = 1.6  # rounds a block unit away from ``near``
+    assert block_unit_key(near) != block_unit_key(between) and block_unit_key(near) == block_unit_key(near + 0.3)
+
+    def said(raw):
+        return PathPrediction(path=path, execution_blocks=even_groups(path, 2), key=("arch", block_unit_key(raw)))
+
+    cache = MispredictionCache()
+    for _ in range(3):
+        cache.record(said(between), truth)
+        cache.record(said(near), path)
+    assert cache.lookup(said(between)).path == truth
+    assert cache.lookup(said(near)) is None and cache.lookup(said(near + 0.3)) is None
+
+
 def test_cli_falls_back_from_the_pilot_only_when_not_asked_for_it(capsys):
     """tree-lstm small has too many candidate paths for the pilot: by default the CLI says so and
     prefetches from the true path; asking for the pilot explicitly is a one-line error."""
