@@ -34,22 +34,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # models/, when
 LENGTHS = (32, 64, 128, 192, 256)
 
 
-def _step_fn(torch, model, loss_fn, ids, y, *, recompute: bool):
-    """One training step of ``model`` (AdamW), its encoder layers recomputed if ``recompute``."""
+def _recompute_layers(torch, model) -> None:
+    """Put each of ``model.layers`` under ``torch.utils.checkpoint`` (its forward re-runs in the
+    backward); the model's own forward is unchanged."""
     from torch.utils.checkpoint import checkpoint
 
+    class Recomputed(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return checkpoint(self.layer, x, use_reentrant=False)
+
+    model.layers = torch.nn.ModuleList(Recomputed(layer) for layer in model.layers)
+
+
+def _step_fn(torch, model, loss_fn, ids, y):
+    """One AdamW training step of ``model`` on ``(ids, y)``, returning the loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def forward(x_ids):
-        positions = torch.arange(x_ids.shape[1], device=x_ids.device)
-        x = model.drop(model.emb_ln(model.tok_emb(x_ids) + model.pos_emb(positions)))
-        for layer in model.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
-        return model.head(x.mean(dim=1))
-
-    def step() -> float:
+    def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(ids), y)
+        loss = loss_fn(model(ids), y)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -92,7 +99,9 @@ def measure(config: str, device_name: str, lengths: Sequence[int], repeats: int,
         for label, recompute in (("plain", False), ("recompute_all", True)):
             torch.manual_seed(0)
             model = copy.deepcopy(spec.model).to(device)
-            step = _step_fn(torch, model, spec.loss_fn, ids, y, recompute=recompute)
+            if recompute:
+                _recompute_layers(torch, model)
+            step = _step_fn(torch, model, spec.loss_fn, ids, y)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             seconds, first_loss = _median_s(torch, step, device, repeats, warmup)

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from graph_passes.liveness import ancestor_nodes
+
 # The error hierarchy is a leaf module shared by every package.
 from ort_offload.errors import InputMismatchError, ModelLoadError
 
@@ -178,7 +180,7 @@ def _probe_values(model, input_infos, names, probe_feeds) -> dict[str, np.ndarra
     """Values of ``names`` from a run of only their ancestors."""
     import onnxruntime as ort
 
-    keep = _ancestors(model.graph, names)
+    keep = ancestor_nodes(model.graph.node, names)
     sub = onnx.ModelProto()
     sub.CopyFrom(model)
     del sub.graph.node[:]
@@ -269,20 +271,6 @@ def _quiet_options():
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return options
-
-
-def _ancestors(graph: onnx.GraphProto, names) -> set[int]:
-    """Indices of the nodes needed to compute ``names``."""
-    producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
-    keep: set[int] = set()
-    stack = [producer[n] for n in names if n in producer]
-    while stack:
-        index = stack.pop()
-        if index in keep:
-            continue
-        keep.add(index)
-        stack.extend(producer[n] for n in graph.node[index].input if n in producer)
-    return keep
 
 
 def _random(rng: np.random.Generator, info: TensorInfo) -> np.ndarray:

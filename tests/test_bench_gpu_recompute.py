@@ -33,3 +33,23 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv):
         gpu_recompute.main(["--device", "cpu", "--out", str(out), *argv])
     assert isinstance(exited.value.code, str) and "\n" not in exited.value.code
     assert not out.exists()
+
+
+def test_recomputed_layers_run_their_forward_again_in_the_backward():
+    import torch
+
+    from models import get_model
+
+    spec = get_model("bert", "tiny")
+    (ids,), (y,) = spec.make_batch(seq=16, seed=0)
+    calls = []
+    layers = list(spec.model.layers)
+    for layer in layers:  # counted in forward itself: module hooks do not fire in the recomputation
+        def counted(x, forward=layer.forward):
+            calls.append(1)
+            return forward(x)
+        layer.forward = counted
+    gpu_recompute._recompute_layers(torch, spec.model)
+    assert [m.layer for m in spec.model.layers] == layers
+    gpu_recompute._step_fn(torch, spec.model, spec.loss_fn, ids, y)()
+    assert len(calls) == 2 * len(layers)  # once in the forward, once more in the backward
