@@ -23,7 +23,7 @@ from typing import Mapping, Sequence, Union
 
 import onnx
 
-from graph_passes.liveness import INPUT_POSITION, check_topological, consumed_names, lifetimes
+from graph_passes.liveness import INPUT_POSITION, NodeIO, check_topological, consumed_names, node_io, positions
 from graph_passes.memory import DEFAULT_ALIGNMENT
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
@@ -160,8 +160,12 @@ def lower(
     swap_points=None,
     extra_cuts: Sequence[int] = (),
     alignment: int = DEFAULT_ALIGNMENT,
+    io: Sequence[NodeIO] | None = None,
 ) -> Program:
     """Lower ``model`` into blocks and steps for one input signature (``infos``).
+
+    ``io``: ``node_io(model.graph.node)``, for a caller that lowers one model many times
+    (reading the protos is most of a lowering's time).
 
     ``swap_points`` (:class:`graph_passes.swap_nodes.SwapPoints`, for a graph whose swap nodes
     were read back) adds swap steps at fixed node positions; blocks are cut there.
@@ -178,7 +182,12 @@ def lower(
         # Liveness and blocks see the view Split as nothing and its pieces as its input's
         # producer's outputs; the sessions still run the producer writing the whole value.
         nodes, graph = _view_surrogate(graph, nodes, views)
-    check_topological([nodes[i] for i in order], set(graph_inputs) | initializers)
+        io = None
+    if io is None:
+        io = node_io(nodes)
+    elif len(io) != len(nodes):
+        raise ValueError(f"io describes {len(io)} nodes, the graph has {len(nodes)}")
+    check_topological([nodes[i] for i in order], set(graph_inputs) | initializers, [io[i] for i in order])
     outputs = [o.name for o in graph.output]
     output_set = set(outputs)
     fetches = tuple(fetches if fetches is not None else [o for o in outputs if o not in state_pairs.values()])
@@ -211,22 +220,22 @@ def lower(
     def block_at(position: int) -> int:
         return INPUT_POSITION if position < 0 else block_of_position.get(position, len(chunks))
 
-    life = lifetimes(graph, order)
-    producer_block = {n: block_at(span.birth) for n, span in life.items()}
-    last_block = {n: block_at(span.last_use) for n, span in life.items()}
+    birth, last_use = positions(graph, order, io)
+    producer_block = {n: block_at(p) for n, p in birth.items()}
+    last_block = {n: block_at(p) for n, p in last_use.items()}
 
     whole_of = {piece: whole for whole, pieces in views.values() for piece in pieces}
     arena_outputs: list[tuple[str, ...]] = []  # per block: what it allocates (pieces for views)
     blocks = []
     for b, chunk in enumerate(chunks):
-        block_nodes = [nodes[order[p]] for p in chunk]
-        produced = [o for n in block_nodes for o in n.output if o]
+        block_io = [io[order[p]] for p in chunk]
+        produced = [o for entry in block_io for o in entry.outputs]
         produced_set = set(produced)
-        inputs = []
-        for n in block_nodes:
-            for name in consumed_names(n):
-                if name not in produced_set and name not in initializers and name not in inputs:
-                    inputs.append(name)
+        inputs = {}  # an ordered set
+        for entry in block_io:
+            for name in entry.reads:
+                if name not in produced_set and name not in initializers:
+                    inputs[name] = None
         outs = [o for o in produced if o in output_set or last_block[o] > b]
         arena_outputs.append(tuple(outs))
         blocks.append(
@@ -235,7 +244,7 @@ def lower(
                 node_indices=tuple(order[p] for p in chunk),
                 inputs=tuple(inputs),
                 outputs=tuple(dict.fromkeys(whole_of.get(o, o) for o in outs)),  # what the session writes
-                workspace_bytes=nodes_workspace_bytes(block_nodes, set(outs), infos),
+                workspace_bytes=nodes_workspace_bytes((), set(outs), infos, io=block_io),
             )
         )
 
@@ -251,7 +260,7 @@ def lower(
             frees_by_block.setdefault(b, []).append(name)
     swaps_at = dict(swap_points.before) if swap_points else {}
     first_run = True
-    rank = _stable_order(graph_inputs, nodes)
+    rank = _stable_order(graph_inputs, io)
     for block, chunk in zip(blocks, chunks):
         steps.extend(swaps_at.get(chunk[0], ()))
         frees = tuple(sorted(frees_by_block.get(block.index, []), key=rank))
@@ -371,26 +380,30 @@ def _view_surrogate(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], views):
     return list(surrogate.node), surrogate
 
 
-def _stable_order(graph_inputs: Sequence[str], nodes: Sequence[onnx.NodeProto]):
+def _stable_order(graph_inputs: Sequence[str], io: Sequence[NodeIO]):
     rank = {n: i for i, n in enumerate(graph_inputs)}
-    for node in nodes:
-        for out in node.output:
+    for entry in io:
+        for out in entry.outputs:
             rank.setdefault(out, len(rank))
     return lambda name: rank.get(name, len(rank))
 
 
-def nodes_workspace_bytes(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
-    """Peak bytes of values born and dead inside the block, walking its nodes in order."""
+def nodes_workspace_bytes(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo],
+                          io: Sequence[NodeIO] | None = None) -> int:
+    """Peak bytes of values born and dead inside the block, walking its nodes in order.
+    ``io``: the nodes' :func:`~graph_passes.liveness.node_io`, in place of ``block_nodes``."""
+    if io is None:
+        io = node_io(block_nodes)
     last_use: dict[str, int] = {}
-    for i, node in enumerate(block_nodes):
-        for name in consumed_names(node):
+    for i, entry in enumerate(io):
+        for name in entry.reads:
             last_use[name] = i
     live = 0
     peak = 0
     dying: dict[int, int] = {}
-    for i, node in enumerate(block_nodes):
-        for name in node.output:
-            if name and name not in outputs:
+    for i, entry in enumerate(io):
+        for name in entry.outputs:
+            if name not in outputs:
                 size = infos[name].nbytes if name in infos else 0
                 live += size
                 dying[max(i, last_use.get(name, i))] = dying.get(max(i, last_use.get(name, i)), 0) + size

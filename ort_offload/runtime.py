@@ -21,6 +21,7 @@ import onnx
 from graph_passes import shapes
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile, get_profile
+from graph_passes.liveness import node_io
 from graph_passes.memory import MemoryTrace, align_up, allocation_units, simulate_program
 from graph_passes.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.partition import fit_blocks, refine_blocks
@@ -186,6 +187,7 @@ class GraphRunner:
         self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
         self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy)
+        self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
         self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
         self.last_segment_costs: list = []  # graph_passes.offload_choice.SegmentCost of that choice
         self.fetches = fetches
@@ -302,8 +304,18 @@ class GraphRunner:
         return lower(
             model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
             fetches=self.fetches, max_block_nodes=max_block_nodes, schedule=schedule, swap_points=self.swap_points,
-            extra_cuts=extra_cuts, alignment=self.runtime.device.alignment,
+            extra_cuts=extra_cuts, alignment=self.runtime.device.alignment, io=self._node_io(model),
         )
+
+    def _node_io(self, model: onnx.ModelProto):
+        """The model's :func:`~graph_passes.liveness.node_io`, read once per model: a plan's
+        graph is lowered at every new size and for every block layout tried. Keyed by identity
+        (protobuf messages take no weak references), holding the model so its id stays unique;
+        the runner's models are not edited once made (passes return new ones)."""
+        entry = self._node_io_of.get(id(model))
+        if entry is None or entry[0] is not model or len(entry[1]) != len(model.graph.node):
+            entry = self._node_io_of[id(model)] = (model, node_io(model.graph.node))
+        return entry[1]
 
     def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
         """``model`` in blocks cut only at these schedule positions (and around order-dependent
