@@ -20,8 +20,11 @@ whose unplanned graph does not fit:
 3. Only if recomputing every segment does not fit in the largest blocks: the bucket rule with
    single-node blocks; that plan and every segment recomputed each get a block layout their
    rewritten graph already ran with at another size if one fits (its sessions exist), else
-   their fewest blocks that fit; fewer blocks win. The plan and its block boundaries go into
-   the cache.
+   their fewest blocks that fit; fewer blocks win.
+4. The plan made at a larger size with the fewest cloned nodes replaces the new plan where it
+   clones fewer, fits here in its own block layout and has no more blocks (the bucket rule,
+   run afresh at a smaller size, can end with more segments). The plan and its block
+   boundaries go into the cache.
 
 Every new signature, planned or not, is a sample for the estimator until it is fitted (the
 first :data:`~graph_passes.mimose.FIT_SIZES` sizes: Mimose's collection phase); after that
@@ -100,6 +103,7 @@ class RecomputePlanning:
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
+        self._made: dict[int, CachedPlan] = {}  # input size -> the plan made there
 
     # ---- size-independent parts -------------------------------------------------------------
 
@@ -209,6 +213,12 @@ class RecomputePlanning:
         def need(finest: bool):
             return lambda plan: lowered(tuple(s.index for s in plan.segments), finest)[1].min_budget_bytes
 
+        if programs and runner.baseline_trace is not None:
+            # Nothing recomputed, in the largest blocks: the unplanned program prepare lowered
+            # and replayed already (an empty plan rewrites no node).
+            model_infos_of[()] = infos
+            traced[((), False)] = (programs[0], runner.baseline_trace)
+
         self.stats.plans += 1
         start_time = time.perf_counter()
         first: tuple[int, ...] = ()
@@ -265,12 +275,39 @@ class RecomputePlanning:
             _, key, program, trace = best
         model, schedule, clones = self.rewrite(key, segments)
         cuts = _block_starts(program, schedule, len(model.graph.node))
+        cheaper = self._cheaper_from_larger_size(size, segments, clones, len(program.blocks), model_infos, budget)
+        if cheaper is not None:
+            key, cuts, program, trace = cheaper
+            model, schedule, clones = self.rewrite(key, segments)
+        self._made[size] = CachedPlan(key, cuts)
         self.cache.put(size, CachedPlan(key, cuts))
         self._layouts.setdefault(key, set()).add(cuts)
         logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
                     runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))
         return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
             trace.min_budget_bytes
+
+    def _cheaper_from_larger_size(self, size: int, segments, clones: int, blocks: int, model_infos, budget: int):
+        """(key, cuts, program, trace) of the plan made at a larger input size with the fewest
+        cloned nodes, if that is fewer than ``clones`` and it fits ``budget`` here in its own
+        block layout with at most ``blocks`` blocks; else None. A plan that fits a larger size
+        nearly always fits a smaller one, but the bucket rule run afresh can choose more: it
+        adds one segment at a time, and at a smaller size everything recomputed may fit in the
+        largest blocks, where the larger size needed a fitted layout with one segment fewer.
+        One check: the cheapest candidate."""
+        candidates = {plan for made_at, plan in self._made.items() if made_at > size}
+        if not candidates:
+            return None
+        plan = min(candidates, key=lambda p: (self.rewrite(p.segments, segments)[2], len(p.cuts), p.segments))
+        model, schedule, other_clones = self.rewrite(plan.segments, segments)
+        if other_clones >= clones or len(plan.cuts) + 1 > blocks:
+            return None
+        program, trace = self._lowered_with_cuts(model, schedule, model_infos(plan.segments), plan.cuts)
+        if trace.min_budget_bytes > budget:
+            return None
+        logger.info("recompute plan at input size %d: the %d-segment plan of a larger size (%d nodes cloned, not %d)",
+                    size, len(plan.segments), other_clones, clones)
+        return plan.segments, plan.cuts, program, trace
 
     def credit(self) -> float:
         """The share of a segment's saved bytes a plan can count on taking off the least

@@ -105,3 +105,24 @@ def test_variable_length_training_plans_per_size_and_stays_bitwise_within_budget
     assert run.losses == reference.losses
     assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
     print(f"50 variable-length steps in {elapsed:.1f} s: {summary}")
+
+
+def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it():
+    """bert small, lengths falling from 256, budget 0.33 of the unplanned peak: at 240 every
+    segment recomputed does not fit in the largest blocks and 7 of 8 fit in a fitted layout;
+    at 224 all 8 fit in the largest blocks, where the bucket rule, run afresh, ends. The plan
+    of the larger size is checked there and taken (fewer clones, no more blocks), so
+    recomputation never grows as the length falls; within budget and bitwise equal."""
+    spec = get_model("bert", "small")
+    lengths = [256, 240, 224, 208]
+    data = [spec.make_batch(seq=n, seed=k) for k, n in enumerate(lengths)]
+    reference = train_ort("bert", config="small", optimizer="adamw", steps=len(data), data=data)
+    budget = int(0.33 * reference.trainer.report()["peak_device_bytes"])
+    run = train_ort("bert", config="small", optimizer="adamw", steps=len(data), data=data, budget=budget,
+                    passes="recompute")
+    recomputed = [p.recomputed_nodes for p in run.trainer.runner.prepared_steps()]  # in length order
+    assert recomputed == sorted(recomputed, reverse=True) and recomputed[-1] > 0
+    assert recomputed[2] < recomputed[0]  # 224 recomputes less than everything
+    assert run.trainer.report()["peak_device_bytes"] <= budget
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
