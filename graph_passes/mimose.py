@@ -57,9 +57,16 @@ class QuadraticFit:
         self._scale = float(np.max(np.abs(x))) or 1.0  # conditioning: fit on x / max|x|
         degree = min(2, len(set(xs)) - 1)
         self.coefficients = np.polyfit(x / self._scale, np.asarray(ys, dtype=np.float64), degree)
+        # Evaluated with Python floats (Horner): a plan evaluates one fit per layer, and
+        # np.polyval's per-call overhead alone would be most of the sub-millisecond plan time.
+        self._horner = tuple(float(c) for c in self.coefficients)
 
     def __call__(self, x: float) -> float:
-        return float(np.polyval(self.coefficients, x / self._scale))
+        t = x / self._scale
+        value = 0.0
+        for c in self._horner:
+            value = value * t + c
+        return value
 
 
 @dataclasses.dataclass
@@ -130,7 +137,11 @@ def bucket_choice(estimates: Mapping[int, float], excess: float, *, tolerance: f
     forward order), for ``excess`` bytes still over the budget (Algorithm 1, lines 2-21)."""
     if not estimates:
         raise ValueError("no layer left to choose")
-    by_size = sorted(estimates, key=lambda k: (-estimates[k], k))
+    return _choose(sorted(estimates, key=lambda k: (-estimates[k], k)), estimates, excess, tolerance)
+
+
+def _choose(by_size: Sequence[int], estimates: Mapping[int, float], excess: float, tolerance: float) -> int:
+    """:func:`bucket_choice` over ``by_size``, the layers largest first (ties: earliest)."""
     buckets: list[list[int]] = []
     position = 0
     while position < len(by_size):
@@ -140,21 +151,29 @@ def bucket_choice(estimates: Mapping[int, float], excess: float, *, tolerance: f
         while position < len(by_size) and estimates[by_size[position]] > estimates[head] * (1 - tolerance):
             bucket.append(by_size[position])
             position += 1
-        buckets.append(sorted(bucket))  # earliest in the forward first
-    covering = [b for b in buckets if max(estimates[k] for k in b) >= excess]
+        buckets.append(bucket)
+    # A bucket's largest layer is its head (the list is largest first); the earliest layer of
+    # a bucket is its smallest index.
+    covering = [b for b in buckets if estimates[b[0]] >= excess]
     if covering:  # the bucket nearest the excess: the smallest largest-layer that still covers it
-        return min(covering, key=lambda b: max(estimates[k] for k in b))[0]
-    return buckets[0][0]  # nothing covers it: the largest layers' bucket
+        return min(min(covering, key=lambda b: estimates[b[0]]))
+    return min(buckets[0])  # nothing covers it: the largest layers' bucket
 
 
 def plan_from_estimates(estimates: Sequence[float], excess: float, *, tolerance: float = BUCKET_TOLERANCE) -> tuple[int, ...]:
     """Layers (sorted) whose estimated bytes cover ``excess`` by the bucket rule, or all of them."""
     remaining = {k: float(e) for k, e in enumerate(estimates) if e > 0}
+    if excess <= 0:
+        return ()
+    if sum(remaining.values()) <= excess:  # the rule would take every layer, one by one
+        return tuple(sorted(remaining))
+    by_size = sorted(remaining, key=lambda k: (-remaining[k], k))  # sorted once; picks leave the order
     chosen = []
-    while excess > 0 and remaining:
-        pick = bucket_choice(remaining, excess, tolerance=tolerance)
+    while excess > 0 and by_size:
+        pick = _choose(by_size, remaining, excess, tolerance)
         chosen.append(pick)
-        excess -= remaining.pop(pick)
+        by_size.remove(pick)
+        excess -= remaining[pick]
     return tuple(sorted(chosen))
 
 
