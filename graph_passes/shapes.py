@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Mapping
 
 import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from graph_passes.liveness import ancestor_nodes
+from graph_passes.liveness import ancestor_nodes, node_io
 
 # The error hierarchy is a leaf module shared by every package.
 from ort_offload.errors import InputMismatchError, ModelLoadError
@@ -34,7 +35,7 @@ class TensorInfo:
 
     @functools.cached_property
     def nbytes(self) -> int:  # cached: the runtime asks for it on every allocation
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: exact, and no numpy call overhead
 
     def __str__(self) -> str:
         return f"{self.dtype.name}{list(self.shape)}"
@@ -130,6 +131,7 @@ def infer_tensor_infos(
     infos: dict[str, TensorInfo] = dict(input_infos)
     infos.update(infos_of_initializers(model))
     nodes = list(model.graph.node)
+    io = node_io(nodes)
     pinned: set[str] = set()
     for _ in range(max_rounds):
         try:
@@ -138,18 +140,19 @@ def infer_tensor_infos(
             logger.debug("ONNX shape inference failed (%s); probing", e)
             break
         for value in list(inferred.graph.value_info) + list(inferred.graph.output):
-            info = _static_info(value)
-            if info is not None:
-                infos.setdefault(value.name, info)
+            if value.name not in infos:
+                info = _static_info(value)
+                if info is not None:
+                    infos[value.name] = info
         frontier = [
-            node for node in nodes
-            if any(o and o not in infos for o in node.output) and all(not n or n in infos for n in node.input)
+            entry for entry in io
+            if any(o not in infos for o in entry.outputs) and all(n in infos for n in entry.inputs)
         ]
         if not frontier:
             break
         to_pin = sorted({
-            name for node in frontier for name in node.input
-            if name and name not in pinned and name in infos and _is_small_int(infos[name])
+            name for entry in frontier for name in entry.inputs
+            if name not in pinned and name in infos and _is_small_int(infos[name])
             and name not in input_infos
         })
         if to_pin:
@@ -157,15 +160,15 @@ def infer_tensor_infos(
             _pin_constants(concrete, values)
             pinned.update(values)
         else:
-            outputs = [o for node in frontier for o in node.output if o and o not in infos]
+            outputs = [o for entry in frontier for o in entry.outputs if o not in infos]
             values = _probe_values(concrete, input_infos, outputs, probe_feeds)
             for name, array in values.items():
                 infos[name] = TensorInfo(np.dtype(array.dtype), tuple(array.shape))
                 _set_shape(concrete.graph.value_info.add(name=name), infos[name])
-    missing = [out for node in nodes for out in node.output if out and out not in infos]
+    missing = [out for entry in io for out in entry.outputs if out not in infos]
     if missing:
         infos.update(_probe(model, input_infos, missing, probe_feeds))
-    names = set(input_infos) | set(infos_of_initializers(model)) | {o for n in nodes for o in n.output if o}
+    names = set(input_infos) | set(infos_of_initializers(model)) | {o for entry in io for o in entry.outputs}
     return {n: i for n, i in infos.items() if n in names}  # not the pinned copies
 
 
