@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Generic, Hashable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Generic, Hashable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from graph_passes.shapes import TensorInfo
+if TYPE_CHECKING:  # numpy alone at run time: benchmarks/gpu_mimose.py uses this module without onnx
+    from graph_passes.shapes import TensorInfo
 
 FIT_SIZES = 10  # distinct input sizes the estimator is fitted from (Mimose §6.3: 10 iterations)
 BUCKET_TOLERANCE = 0.10  # layers within 10% of each other share a bucket (Algorithm 1, line 8)
