@@ -15,7 +15,7 @@ uses; numpy only), so it runs on the CUDA machine as it is::
 A *layer* is one encoder layer of the model (``model.layers``), recomputed by wrapping its
 forward in ``torch.utils.checkpoint`` (non-reentrant). Three trainers run the same batches (one
 epoch of ``--steps`` batches, lengths drawn uniformly from 16..256, the longest first) from the
-same weights, one after the other on an otherwise idle device:
+same weights, step k of each in turn on an otherwise idle device:
 
 - **unplanned**: nothing recomputed (its peak is what the budget is cut from);
 - **static**: the layers Mimose's rule picks at the longest length recomputed at every length
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import statistics
@@ -241,47 +240,40 @@ def measure(config: str, device_name: str, steps: int, seed: int, budget_margin:
     del probe
     static_plan = frozenset(plan_from_estimates(longest, sheltered_longest + sum(longest) - budget))
 
+    # Step k of each trainer in turn (first-use costs of each length hit all three alike).
+    trainers = {row: Trainer(torch, spec, device, row) for row in ROWS}
+    planner = MimosePlanner(trainers["input_aware"].switch.layers, budget, batch, fit_sizes)
+    for ids, y in data:
+        trainers["unplanned"].step(ids, y, frozenset())
+        trainers["static"].step(ids, y, static_plan)
+        trainer = trainers["input_aware"]
+        if not planner.estimator.ready:  # sheltered, with the collector
+            collect_start = time.perf_counter()
+            layer_bytes = layer_saved_bytes(torch, trainer, ids)
+            if cuda:
+                torch.cuda.synchronize()
+            record = trainer.step(ids, y, every, extra_s=time.perf_counter() - collect_start)
+            sheltered = record["peak_bytes"] if cuda else _static_bytes(trainer)
+            planner.estimator.observe(ids.numel(), layer_bytes, sheltered + sum(layer_bytes))
+        else:
+            plan_start = time.perf_counter()
+            chosen = planner.plan(ids.numel())
+            trainer.step(ids, y, chosen, plan_s=time.perf_counter() - plan_start)
     results = {}
-    for row in ROWS:
-        if cuda:
-            torch.cuda.empty_cache()
-        trainer = Trainer(torch, spec, device, row)
-        planner = MimosePlanner(trainer.switch.layers, budget, batch, fit_sizes) if row == "input_aware" else None
-        started = time.perf_counter()
-        for ids, y in data:
-            if row == "unplanned":
-                trainer.step(ids, y, frozenset())
-            elif row == "static":
-                trainer.step(ids, y, static_plan)
-            elif not planner.estimator.ready:  # sheltered, with the collector
-                size = ids.numel()
-                collect_start = time.perf_counter()
-                layer_bytes = layer_saved_bytes(torch, trainer, ids)
-                if cuda:
-                    torch.cuda.synchronize()
-                collect_s = time.perf_counter() - collect_start
-                record = trainer.step(ids, y, every, extra_s=collect_s)
-                sheltered = record["peak_bytes"] if cuda else _static_bytes(trainer)
-                planner.estimator.observe(size, layer_bytes, sheltered + sum(layer_bytes))
-            else:
-                plan_start = time.perf_counter()
-                chosen = planner.plan(ids.numel())
-                trainer.step(ids, y, chosen, plan_s=time.perf_counter() - plan_start)
-        wall_s = time.perf_counter() - started
-        epoch_s = sum(s["step_s"] + s["collect_s"] + (s["plan_s"] or 0.0) for s in trainer.steps)
+    for row, trainer in trainers.items():
+        aware = row == "input_aware"
         peaks = [s["peak_bytes"] for s in trainer.steps if s["peak_bytes"] is not None]
         results[row] = {
-            "epoch_s": epoch_s, "wall_s": wall_s,
+            "epoch_s": sum(s["step_s"] + s["collect_s"] + (s["plan_s"] or 0.0) for s in trainer.steps),
             "collect_s_total": sum(s["collect_s"] for s in trainer.steps),
-            "plan_s_median": statistics.median(planner.plan_times_s) if planner and planner.plan_times_s else None,
-            "plans_made": len(planner.plan_times_s) if planner else None,
+            "plan_s_median": statistics.median(planner.plan_times_s) if aware and planner.plan_times_s else None,
+            "plans_made": len(planner.plan_times_s) if aware else None,
             "recomputed_layer_steps": sum(s["recomputed_layers"] for s in trainer.steps),
             "peak_bytes": max(peaks) if peaks else None,
             "steps_over_budget": sum(p > budget for p in peaks) if row != "unplanned" and peaks else None,
             "losses": trainer.losses,
             "steps": trainer.steps,
         }
-        del trainer
     reference = results["unplanned"]["losses"]
     for row in ROWS:
         results[row]["losses_bitwise_equal"] = results[row]["losses"] == reference
