@@ -1,5 +1,6 @@
 """The GPU recompute-cost check (benchmarks/gpu_recompute.py) runs end to end on the CPU and
-writes consistent JSON; on the CUDA machine it runs the same code."""
+writes consistent JSON; on the CUDA machine it runs the same code. Both GPU scripts
+(this one and benchmarks/gpu_mimose.py) refuse bad arguments with one line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import gpu_recompute
+from benchmarks import gpu_mimose, gpu_recompute
 
 
 def test_a_cpu_run_times_both_steps_per_length(tmp_path, capsys):
@@ -26,11 +27,14 @@ def test_a_cpu_run_times_both_steps_per_length(tmp_path, capsys):
     assert "recompute-all over plain" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--lengths", "a,b"], ["--repeats", "0"], ["--lengths", ""], ["--batch", "0"]])
-def test_bad_arguments_exit_with_one_line(tmp_path, argv):
+@pytest.mark.parametrize("script, argv", [
+    *((gpu_recompute, a) for a in (["--lengths", "a,b"], ["--repeats", "0"], ["--lengths", ""], ["--batch", "0"])),
+    *((gpu_mimose, a) for a in (["--steps", "1"], ["--batch", "0"], ["--fit-sizes", "0"], ["--budget-margin", "-1"])),
+])
+def test_bad_arguments_exit_with_one_line(tmp_path, script, argv):
     out = tmp_path / "x.json"
     with pytest.raises(SystemExit) as exited:
-        gpu_recompute.main(["--device", "cpu", "--out", str(out), *argv])
+        script.main(["--device", "cpu", "--out", str(out), *argv])
     assert isinstance(exited.value.code, str) and "\n" not in exited.value.code
     assert not out.exists()
 
