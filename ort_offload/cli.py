@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
     train.add_argument("--model", required=True,
                        help="zoo model: mlp, gpt, cnn, bert, lstm; dynamic (trained block-wise): var-bert, fixed-bert, "
-                            "moe, tree-lstm, var-lstm, fixed-lstm")
+                            "moe, tree-lstm, var-lstm, fixed-lstm, recycle-former")
     train.add_argument("--config", default="tiny", help="model config (tiny, small)")
     train.add_argument("--batch", type=int, default=None)
     train.add_argument("--seq", type=int, default=None)
