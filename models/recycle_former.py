@@ -5,9 +5,11 @@ model :class:`RecycleFormer`, :func:`gap_token`, :func:`sample_iterations` and t
 batch generator :func:`make_batch`. Input ``ids[B, S]`` int64, target ``y[B]`` int64.
 
 Modelled on AlphaFold's recycling (the "AlphaFold (evoformer)" family of DyNN-Offload's pilot
-training set, Table II): the trunk, ``layers`` post-LN encoder blocks with their own weights,
-runs once, then is re-run on its own output, the same weights each time; the number of trunk
-iterations depends on the sample. Here the input reads as an alignment row with gaps: token 0
+training set, Table II): the trunk, ``layers`` blocks with their own weights, runs once, then
+is re-run on its own output, the same weights each time; the number of trunk iterations
+depends on the sample. A block (:class:`RecycleBlock`) follows the evoformer's row attention and
+transition, cut down to one sequence: pre-LN, self-attention whose output is gated by
+``sigmoid(Linear(x))`` before its projection, then a ReLU transition MLP, each residual. Here the input reads as an alignment row with gaps: token 0
 is the gap symbol (:func:`gap_token`; the other tokens are ``1..vocab - 1``), and a row with
 ``g`` gaps, harder to fold, gets ``min(1 + g, recycles)`` iterations (:func:`sample_iterations`).
 The path is ``(0, 1, ..., layers - 1)`` repeated once per iteration: block indices repeat, as
@@ -16,9 +18,9 @@ on the earlier ones) and nothing but the trunk's own output is fed back (no recy
 embedder), so the trunk blocks are all the control flow chooses between.
 
 Compared with var-BERT (:mod:`models.var_bert`): var-BERT's depth also follows the count of
-one token, but its marker is the vocabulary's last id and each extra segment runs *new* layers;
-here the gap is id 0, the tiny vocabulary is smaller (48, so the embedding tables differ), and
-each extra iteration re-runs the *same* blocks.
+one token, but its marker is the vocabulary's last id and each extra segment runs *new* post-LN
+BERT layers; here the gap is id 0, the tiny vocabulary is smaller (48, so the embedding tables
+differ), the blocks are gated pre-LN blocks, and each extra iteration re-runs the *same* ones.
 
 Batch semantics: a batch shares one path. :func:`make_batch` draws one iteration count per
 batch and gives every row that many gaps minus one (at per-row random positions);
@@ -33,14 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.bert import BERTBlock, class_band_tokens
+from models.bert import class_band_tokens
 from models.dynamic_common import Batch, shared_path
 from models.gpt import check_transformer_config
 
 __all__ = [
     "CONFIGS",
+    "GatedSelfAttention",
+    "RecycleBlock",
     "RecycleFormer",
     "RecycleFormerConfig",
     "gap_token",
@@ -99,11 +104,54 @@ def sample_iterations(config: RecycleFormerConfig, ids: torch.Tensor) -> torch.T
     return torch.clamp(gaps + 1, max=config.recycles)
 
 
+class GatedSelfAttention(nn.Module):
+    """Multi-head self-attention (no mask) with AlphaFold's output gate: Linear qkv -> SDPA ->
+    ``* sigmoid(Linear gate(x))`` -> Linear output projection."""
+
+    def __init__(self, d_model: int, heads: int, *, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.gate = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        head_dim = d_model // self.heads
+        qkv = self.qkv(x).view(batch, seq, 3, self.heads, head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, Dh]
+        y = F.scaled_dot_product_attention(q, k, v)
+        y = y.transpose(1, 2).reshape(batch, seq, d_model) * torch.sigmoid(self.gate(x))
+        return self.dropout(self.proj(y))
+
+
+class RecycleBlock(nn.Module):
+    """Pre-LN trunk block: ``x + attn(ln1(x))`` (gated attention) then ``x + transition(ln2(x))``
+    (Linear -> ReLU -> Linear), ``x[B, S, D] -> x[B, S, D]``."""
+
+    def __init__(self, config: RecycleFormerConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = GatedSelfAttention(config.d_model, config.heads, dropout=config.dropout)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.transition = nn.Sequential(
+            nn.Linear(config.d_model, config.mlp_ratio * config.d_model),
+            nn.ReLU(),
+            nn.Linear(config.mlp_ratio * config.d_model, config.d_model),
+            nn.Dropout(config.dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.transition(self.ln2(x))
+
+
 class RecycleFormer(nn.Module):
-    """Encoder whose trunk (:attr:`trunk`, ``layers`` :class:`~models.bert.BERTBlock` s,
+    """Encoder whose trunk (:attr:`trunk`, ``layers`` :class:`RecycleBlock` s,
     ``x[B, S, D] -> x[B, S, D]``) runs ``iterations(sample)`` times on its own output.
 
-    Embedding (token + position, LayerNorm) and the mean-pool classification head run once.
+    Embedding (token + position, LayerNorm) and the head (LayerNorm, mean pool, Linear) run once.
     """
 
     def __init__(self, config: RecycleFormerConfig) -> None:
@@ -113,7 +161,8 @@ class RecycleFormer(nn.Module):
         self.pos_emb = nn.Embedding(config.seq, config.d_model)
         self.emb_ln = nn.LayerNorm(config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.trunk = nn.ModuleList(BERTBlock(config) for _ in range(config.layers))
+        self.trunk = nn.ModuleList(RecycleBlock(config) for _ in range(config.layers))
+        self.out_ln = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.classes)
 
     def blocks(self) -> list[nn.Module]:
@@ -136,7 +185,7 @@ class RecycleFormer(nn.Module):
         x = self.drop(self.emb_ln(self.tok_emb(ids) + self.pos_emb(positions)))
         for index in path:
             x = self.trunk[index](x)
-        return self.head(x.mean(dim=1))
+        return self.head(self.out_ln(x).mean(dim=1))
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.dim() != 2 or ids.shape[0] < 1 or not 1 <= ids.shape[1] <= self.config.seq:
