@@ -9,24 +9,45 @@ never imports the runtime.
 Data. Each sample is one ``make_batch(batch=1, seed=...)`` of a model; its label is the
 partition simulator's execution blocks of its true path, encoded (:mod:`pilot.mapping`). A
 family trains on several *static variants* of its config (fixed-LSTM of lengths 3..16,
-fixed-BERT of depths 1..8): many architectures, so the AFM part of the input matters. MoE
-trains on its tiny config only: its routing is read through the model's own embedding table,
-and every variant has a different table, so variants would split its samples. Held-out families (default var-LSTM and var-BERT, as the paper)
-contribute no training sample; every family, held out or not, is tested on its own ``tiny``
-config with seeds disjoint from training.
+fixed-BERT of depths 1..8, recycle-former with 1..4 trunk blocks and 2..6 iterations): many
+architectures, so the AFM part of the input matters. MoE trains on its tiny config only: its
+routing is read through the model's own embedding table, and every variant has a different
+table, so variants would split its samples. recycle-former (:mod:`models.recycle_former`) is
+our stand-in for the paper's AlphaFold: a transformer whose number of block invocations
+(recycling iterations of a shared-weight trunk) follows the sample. Held-out families (default
+var-LSTM and var-BERT, as the paper) contribute no training sample; every family, held out or
+not, is tested on its own ``tiny`` config with seeds disjoint from training.
 
-Limits (measured, committed pilots ``pilot/pilot-report.json`` / ``pilot-holdout-report.json``).
-var-BERT in the all-family pilot (~0.72 exact) is capped by contradicting training data, not by
-the fit: ``fixed-bert`` with 4 (or 2) layers is the same model class with ``segments == 1``, so
-its AFM summary, network type and, for a sample without markers, sample features equal those of
+Limits (measured, committed pilots ``pilot/pilot-report.json`` / ``pilot-holdout-report.json``,
+200 test samples per family). All-family: var-LSTM, fixed-LSTM, fixed-BERT, MoE 1.000,
+recycle-former 0.970, var-BERT 0.765, Tree-LSTM 0.480. Held-out: var-LSTM 1.000 (held out),
+var-BERT 0.260 (held out), recycle-former 0.980, Tree-LSTM 0.535, the rest 1.000.
+
+var-BERT in the all-family pilot is capped by contradicting training data, not by the fit:
+``fixed-bert`` with 4 (or 2) layers is the same model class with ``segments == 1``, so its AFM
+summary, network type and, for a sample without markers, sample features equal those of
 ``var-bert/tiny`` (or its 2-layer variant), while its target is the full depth and var-BERT's is
-one segment. The MLP learns the average and misses almost every zero-marker var-BERT sample
-(trained on var-BERT alone it is exact on all 200). Telling the two apart needs the control flow
-in the input (e.g. the number and lengths of the candidate paths): that made var-BERT exact in
-our runs, but it also made held-out var-LSTM fall from 1.0 to ~0.1, since var-LSTM transfers
-only by looking like the fixed-LSTM of its length; so the inputs do not carry it. Held-out
-var-BERT (~0.25) is predicted as a fixed-depth BERT (always the full depth): no training family
-has a depth that follows the count of a repeated token, so nothing family-agnostic transfers.
+one segment. The MLP learns the average and misses most zero-marker var-BERT samples (trained
+on var-BERT alone it is exact on all 200); where it lands moves with the seed (seeds 0 / 1:
+0.765 / 0.675 with recycle-former, 0.78 / 0.765 without, both at 12000 steps). Telling the two
+apart needs the control flow in the input (e.g. the number and lengths of the candidate paths):
+that made var-BERT exact in our runs, but it also made held-out var-LSTM fall from 1.0 to ~0.1,
+since var-LSTM transfers only by looking like the fixed-LSTM of its length; so the inputs do
+not carry it.
+
+Held-out var-BERT (0.26) is predicted at full depth on every sample, with or without
+recycle-former in training (its depth follows the count of one token, like var-BERT's). What
+the network learns from recycle-former is *which* token to count: per family the count is
+carried by the hashed-token bucket of that family's own token (correlation with the path
+length 0.94 for recycle-former's gap bucket, 0.90 for var-BERT's marker bucket, ~0.0 for each
+in the other family), and var-BERT's marker is a token no training sample contained. The
+inputs that do not depend on which token repeats (repeat multiplicities, repeat offsets)
+correlate at most 0.3 with the depth in both families, and cannot do better: a lone marker is
+one more word, and the markers sit at uniform positions, so the sorted token counts of a sample
+carry all such inputs know about its depth; the best guess of var-BERT tiny's depth from them is
+right for 49% of samples (most frequent depth per count profile, 40,000 samples). So held-out
+var-BERT >= 0.95 needs an input that knows var-BERT's marker, which a held-out family cannot
+give; var-LSTM transfers because its path is its length, which every input shows.
 Tree-LSTM gets its path length right and misses the tree shape about half the time.
 
 Optimizer. Adam (lr 3e-3, cosine decay, mini-batches of 256, squared error on the block-unit
