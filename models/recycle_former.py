@@ -9,9 +9,11 @@ training set, Table II): the trunk, ``layers`` blocks with their own weights, ru
 is re-run on its own output, the same weights each time; the number of trunk iterations
 depends on the sample. A block (:class:`RecycleBlock`) follows the evoformer's row attention and
 transition, cut down to one sequence: pre-LN, self-attention whose output is gated by
-``sigmoid(Linear(x))`` before its projection, then a ReLU transition MLP, each residual. Here the input reads as an alignment row with gaps: token 0
-is the gap symbol (:func:`gap_token`; the other tokens are ``1..vocab - 1``), and a row with
-``g`` gaps, harder to fold, gets ``min(1 + g, recycles)`` iterations (:func:`sample_iterations`).
+``sigmoid(Linear(x))`` before its projection, then a ReLU transition MLP, each residual.
+
+Path rule. The input reads as an alignment row with gaps: token 0 is the gap symbol
+(:func:`gap_token`; the other tokens are ``1..vocab - 1``), and a row with ``g`` gaps, harder
+to fold, gets ``min(1 + g, recycles)`` iterations (:func:`sample_iterations`).
 The path is ``(0, 1, ..., layers - 1)`` repeated once per iteration: block indices repeat, as
 in var-LSTM's unrolled steps. Unlike AlphaFold, every iteration is trained (no stop-gradient
 on the earlier ones) and nothing but the trunk's own output is fed back (no recycling
