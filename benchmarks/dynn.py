@@ -61,7 +61,8 @@ class Settings:
     budgets: tuple[str, ...] = ("0.5x", "0.25x")
     time_steps: int = 8  # measured, after one warm-up step
     time_first_key: int | None = 4  # the warm-up batch takes the deepest path: budgets are fractions of its peak
-    misprediction_families: tuple[str, ...] = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm")
+    misprediction_families: tuple[str, ...] = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm",
+                                               "recycle-former")
     samples: int = 1000
     pilot_samples: int = 200
     pilot_calls: int = 3000

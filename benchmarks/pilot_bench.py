@@ -41,7 +41,7 @@ from benchmarks import common as bench
 
 RESULT_FILE = "pilot.json"
 TABLE_WIDTH = 150
-FAMILIES = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm")
+FAMILIES = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm", "recycle-former")
 DEFAULT_SAMPLES = 200
 DEFAULT_CALLS = 3000
 TEST_SEED = 7_000_001

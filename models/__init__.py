@@ -6,7 +6,7 @@ Owns the public entry points re-exported from :mod:`models.registry`: :func:`get
 
 Also re-exports the dynamic zoo of :mod:`models.dynamic`: :func:`get_dynamic_model` builds a
 :class:`DynamicModelSpec` — ``var-bert``, ``fixed-bert``, ``moe``, ``tree-lstm``, ``var-lstm``,
-``fixed-lstm`` — whose model exposes ``blocks()`` and ``path(ids)``. Depends on torch only.
+``fixed-lstm``, ``recycle-former`` — whose model exposes ``blocks()`` and ``path(ids)``. Depends on torch only.
 """
 
 from models.dynamic import DynamicModelSpec, get_dynamic_model, list_dynamic_configs, list_dynamic_models

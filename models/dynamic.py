@@ -3,9 +3,10 @@
 Owns :class:`DynamicModelSpec`, :func:`get_dynamic_model`, :func:`list_dynamic_models` and
 :func:`list_dynamic_configs`. Names: ``var-bert``, ``fixed-bert`` (:mod:`models.var_bert`),
 ``moe`` (:mod:`models.moe`), ``tree-lstm`` (:mod:`models.tree_lstm`), ``var-lstm``,
-``fixed-lstm`` (:mod:`models.var_lstm`). Every model follows the protocol of
-:mod:`models.dynamic_common` (``blocks()``, ``path(ids)``, Python control flow in ``forward``)
-and a batch shares one path. These models are not in :mod:`models.registry`: the static
+``fixed-lstm`` (:mod:`models.var_lstm`), ``recycle-former`` (:mod:`models.recycle_former`:
+AlphaFold-style recycling, a shared-weight trunk re-run a per-sample number of times). Every
+model follows the protocol of :mod:`models.dynamic_common` (``blocks()``, ``path(ids)``,
+Python control flow in ``forward``) and a batch shares one path. These models are not in :mod:`models.registry`: the static
 exporter traces one path, so they are trained block-wise instead.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import moe, tree_lstm, var_bert, var_lstm
+from models import moe, recycle_former, tree_lstm, var_bert, var_lstm
 from models.dynamic_common import Batch
 from models.registry import UnknownModelError, build_config, classification_loss
 
@@ -61,6 +62,14 @@ _ENTRIES: dict[str, _DynamicEntry] = {
         make_batch=moe.make_batch,
         network_type="transformer",
         is_dynamic=lambda cfg: cfg.experts > 1,
+        default_batch={"tiny": 8, "small": 16},
+    ),
+    "recycle-former": _DynamicEntry(
+        configs=recycle_former.CONFIGS,
+        build=recycle_former.RecycleFormer,
+        make_batch=recycle_former.make_batch,
+        network_type="transformer",
+        is_dynamic=lambda cfg: cfg.dynamic,
         default_batch={"tiny": 8, "small": 16},
     ),
     "tree-lstm": _DynamicEntry(
@@ -114,7 +123,8 @@ class DynamicModelSpec:
     def make_batch(self, batch: int | None = None, *, seed: int = 0, key: int | None = None) -> Batch:
         """Synthetic ``(inputs, targets)`` on the CPU, deterministic for ``(batch, seed, key)``;
         all rows share one path. ``key`` pins the path parameter (var-bert/fixed-bert: segment
-        count; moe: expert; tree-lstm: leaf count; var-lstm/fixed-lstm: length); by default
+        count; moe: expert; tree-lstm: leaf count; var-lstm/fixed-lstm: length; recycle-former:
+        trunk iterations); by default
         it is drawn from ``seed``."""
         batch = self.default_batch if batch is None else batch
         if batch < 1:

@@ -1,7 +1,7 @@
 """Shared pieces of the dynamic zoo: the batch type, :class:`MixedPathError`, :func:`shared_path`.
 
 Every dynamic model (``models.var_bert``, ``models.moe``, ``models.tree_lstm``,
-``models.var_lstm``) follows one protocol:
+``models.var_lstm``, ``models.recycle_former``) follows one protocol:
 
 - ``forward(*inputs)`` keeps Python control flow and calls only the modules of ``blocks()``
   (plus a fixed stem and head that every path runs);

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
     train.add_argument("--model", required=True,
                        help="zoo model: mlp, gpt, cnn, bert, lstm; dynamic (trained block-wise): var-bert, fixed-bert, "
-                            "moe, tree-lstm, var-lstm, fixed-lstm")
+                            "moe, tree-lstm, var-lstm, fixed-lstm, recycle-former")
     train.add_argument("--config", default="tiny", help="model config (tiny, small)")
     train.add_argument("--batch", type=int, default=None)
     train.add_argument("--seq", type=int, default=None)
@@ -108,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     pilot_train.add_argument("--out", default=".", help="existing directory for pilot.onnx and pilot-report.json (default .)")
     pilot_train.add_argument("--samples", type=int, default=None, help="training samples per family (default 4000)")
     pilot_train.add_argument("--test-samples", type=int, default=None, help="test samples per family (default 200)")
-    pilot_train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 6000)")
+    pilot_train.add_argument("--steps", type=int, default=None, help="optimizer steps (default 12000)")
     pilot_train.add_argument("--hidden", type=int, default=None, help="width of each MLP layer (default 48)")
     pilot_train.add_argument("--holdout", default=None,
                              help="comma list of families kept out of training, or 'none' (default var-lstm,var-bert)")
-    pilot_train.add_argument("--families", default=None, help="comma list of families to use (default: all six)")
+    pilot_train.add_argument("--families", default=None, help="comma list of families to use (default: all seven)")
     pilot_train.add_argument("--seed", type=int, default=0)
     pilot_train.add_argument("--quiet", action="store_true", help="no table")
 

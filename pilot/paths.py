@@ -10,6 +10,7 @@ model's documented path rule (``models.*`` module docstrings):
 - ``MoETransformer``: one branch per expert: ``(attn_l, expert_l_e)`` per layer, ``e`` shared;
 - ``StepLSTM`` (var-lstm / fixed-lstm): a loop over time of all layers, ``S`` in
   ``[min_seq, seq]``;
+- ``RecycleFormer``: the trunk ``(0..layers-1)`` repeated ``r`` times, ``r = 1..recycles``;
 - ``TreeLSTM``: post-order leaf/compose sequences of every binary tree with
   ``min_leaves..max_leaves`` leaves (Catalan-many: bounded by ``limit``).
 
@@ -55,6 +56,7 @@ def _catalan(n: int) -> int:
 def candidate_paths(model: nn.Module, *, limit: int = DEFAULT_PATH_LIMIT) -> list[tuple[int, ...]]:
     """Every path the model's control flow can take, in a deterministic order."""
     from models.moe import MoETransformer
+    from models.recycle_former import RecycleFormer
     from models.tree_lstm import TreeLSTM
     from models.var_bert import DepthBERT
     from models.var_lstm import StepLSTM
@@ -69,6 +71,8 @@ def candidate_paths(model: nn.Module, *, limit: int = DEFAULT_PATH_LIMIT) -> lis
             tuple(i for layer in range(config.layers) for i in (layer * stride, layer * stride + 1 + e))
             for e in range(config.experts)
         ]
+    elif isinstance(model, RecycleFormer):
+        paths = [tuple(range(config.layers)) * r for r in range(1, config.recycles + 1)]
     elif isinstance(model, StepLSTM):
         paths = [tuple(range(config.layers)) * s for s in range(config.min_seq, config.seq + 1)]
     elif isinstance(model, TreeLSTM):

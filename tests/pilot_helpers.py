@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-FAMILIES = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm")
+FAMILIES = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm", "recycle-former")
 
 
 @lru_cache(maxsize=None)

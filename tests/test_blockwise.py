@@ -41,6 +41,7 @@ KEYS = {
     "tree-lstm": (5, 2, 8),
     "var-lstm": (12, 4, 7),
     "fixed-lstm": (8, 8, 8),
+    "recycle-former": (4, 1, 2),  # trunk iterations: shared-weight blocks invoked 8, 2, 4 times
 }
 BATCH = 4
 

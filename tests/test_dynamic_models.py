@@ -18,10 +18,10 @@ from models import (
     list_dynamic_models,
     list_models,
 )
-from models import moe, tree_lstm, var_bert
+from models import moe, recycle_former, tree_lstm, var_bert
 
-NAMES = ["fixed-bert", "fixed-lstm", "moe", "tree-lstm", "var-bert", "var-lstm"]
-DYNAMIC = ["moe", "tree-lstm", "var-bert", "var-lstm"]
+NAMES = ["fixed-bert", "fixed-lstm", "moe", "recycle-former", "tree-lstm", "var-bert", "var-lstm"]
+DYNAMIC = ["moe", "recycle-former", "tree-lstm", "var-bert", "var-lstm"]
 FIXED = ["fixed-bert", "fixed-lstm"]
 SEEDS = range(12)
 
@@ -83,7 +83,7 @@ def test_spec_metadata(name):
     assert spec.name == name and spec.config_name == "tiny"
     assert spec.input_names == ("ids",) and spec.target_names == ("y",)
     assert spec.dynamic == (name in DYNAMIC)
-    assert spec.network_type == ("transformer" if name in ("var-bert", "fixed-bert", "moe") else "lstm")
+    assert spec.network_type == ("transformer" if name in ("var-bert", "fixed-bert", "moe", "recycle-former") else "lstm")
     (ids,), (y,) = spec.make_batch()
     assert ids.dtype == y.dtype == torch.int64
     assert ids.shape[0] == y.shape[0] == spec.default_batch
@@ -178,7 +178,7 @@ def test_batch_path_equals_each_rows_path(name):
     assert all(spec.model.path(ids[row : row + 1]) == path for row in range(5))
 
 
-@pytest.mark.parametrize(("name", "key_a", "key_b"), [("var-bert", 1, 3), ("moe", 0, 2)])
+@pytest.mark.parametrize(("name", "key_a", "key_b"), [("var-bert", 1, 3), ("moe", 0, 2), ("recycle-former", 1, 4)])
 def test_batch_mixing_two_paths_is_rejected(name, key_a, key_b):
     spec = get_dynamic_model(name)
     (a,), _ = spec.make_batch(2, seed=0, key=key_a)
@@ -215,6 +215,43 @@ def test_var_bert_depth_follows_marker_count():
     # more markers than segments: capped at the full depth
     ids = torch.full((1, cfg.seq), var_bert.marker_token(cfg))
     assert spec.model.path(ids) == tuple(range(cfg.layers))
+
+
+def test_recycle_former_iterations_follow_gap_count():
+    spec = get_dynamic_model("recycle-former")
+    cfg = spec.config
+    trunk = tuple(range(cfg.layers))
+    for iterations in range(1, cfg.recycles + 1):
+        (ids,), _ = spec.make_batch(4, seed=iterations, key=iterations)
+        gaps = (ids == recycle_former.gap_token(cfg)).sum(dim=1)
+        assert gaps.tolist() == [iterations - 1] * 4
+        assert spec.model.path(ids) == trunk * iterations
+        assert _invoked_blocks(spec.model, ids)[0] == trunk * iterations
+    # more gaps than recycles: capped; no gap: one pass of the trunk
+    ids = torch.full((1, cfg.seq), recycle_former.gap_token(cfg))
+    assert spec.model.path(ids) == trunk * cfg.recycles
+    assert spec.model.path(torch.ones(1, cfg.seq, dtype=torch.int64)) == trunk
+    # the gap is not var-BERT's marker, and the tiny embedding tables differ
+    bert = get_dynamic_model("var-bert")
+    assert recycle_former.gap_token(cfg) != var_bert.marker_token(bert.config)
+    assert spec.model.tok_emb.weight.shape != bert.model.tok_emb.weight.shape
+    assert not get_dynamic_model("recycle-former", recycles=1).dynamic
+
+
+def test_recycle_former_reuses_the_trunk_weights():
+    """Each iteration re-runs the same modules: the model has one trunk's parameters whatever
+    the iteration count, and a deeper path accumulates gradient from every invocation."""
+    spec = get_dynamic_model("recycle-former")
+    one = get_dynamic_model("recycle-former", recycles=1)
+    assert sum(p.numel() for p in spec.model.parameters()) == sum(p.numel() for p in one.model.parameters())
+    (ids,), (y,) = spec.make_batch(2, seed=0, key=3)
+    calls = []
+    handle = spec.model.trunk[0].register_forward_hook(lambda m, a, out: calls.append(out))
+    try:
+        spec.loss_fn(spec.model(ids), y).backward()
+    finally:
+        handle.remove()
+    assert len(calls) == 3 and not torch.equal(calls[0], calls[1])  # re-run on its own output
 
 
 def test_fixed_bert_ignores_markers():
@@ -289,7 +326,9 @@ def test_sequence_lengths_outside_the_config_are_rejected():
 
 
 @pytest.mark.parametrize(
-    ("name", "key"), [("var-bert", 5), ("moe", 4), ("tree-lstm", 9), ("var-lstm", 13), ("fixed-lstm", 7)]
+    ("name", "key"),
+    [("var-bert", 5), ("moe", 4), ("tree-lstm", 9), ("var-lstm", 13), ("fixed-lstm", 7), ("recycle-former", 5),
+     ("recycle-former", 0)],
 )
 def test_key_outside_the_config_is_rejected(name, key):
     with pytest.raises(ValueError, match="key"):

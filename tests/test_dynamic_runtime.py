@@ -67,7 +67,7 @@ def _assert_same(a, b):
         assert np.array_equal(state_a[key], state_b[key]), key
 
 
-@pytest.mark.parametrize("name", ["var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm"])
+@pytest.mark.parametrize("name", ["var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lstm", "recycle-former"])
 def test_budgets_down_to_the_minimum_give_identical_training(name):
     host = _train(name, host=True)
     unlimited = _train(name, None, OraclePredictor())
