@@ -360,6 +360,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for mimose.json (default: benchmarks/results/<YYYY-MM-DD>)")
     parser.add_argument("--steps", type=int, default=None, help="steps in the epoch")
+    parser.add_argument("--budget-fraction", type=float, default=None,
+                        help="the planned trainers' budget as a fraction of the unplanned peak at the longest "
+                             f"length (default {FULL.budget_fraction}, {QUICK.budget_fraction} with --quick)")
     return parser.parse_args(argv)
 
 
@@ -370,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.steps < 2:
             raise SystemExit("--steps must be at least 2")
         settings = dataclasses.replace(settings, steps=args.steps)
+    if args.budget_fraction is not None:
+        if not 0 < args.budget_fraction < 1:
+            raise SystemExit(f"--budget-fraction must be between 0 and 1, got {args.budget_fraction}")
+        settings = dataclasses.replace(settings, budget_fraction=args.budget_fraction)
     return bench.run_main(
         module="benchmarks.mimose", result_file=RESULT_FILE, argv=argv, out=args.out, table_width=TABLE_WIDTH,
         measure=lambda log: run(settings, log=log), print_table=print_table,
