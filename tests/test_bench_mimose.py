@@ -87,3 +87,13 @@ def test_plan_time_and_estimator_error_are_measured(quick_run):
     errors = plan["recompute"]["estimator_error_per_layer"]
     assert len(errors) == plan["segments"] and all(e["sizes"] >= 1 for e in errors)
     assert {t["what"].split(" ")[0] for t in result["targets"]} == {"input-aware", "plan", "estimator"}
+
+
+@pytest.mark.parametrize("argv", [["--steps", "1"], ["--budget-fraction", "0"], ["--budget-fraction", "1.5"]])
+def test_bad_arguments_exit_with_one_line_before_running(tmp_path, argv):
+    from benchmarks import mimose
+
+    with pytest.raises(SystemExit) as exited:
+        mimose.main(["--out", str(tmp_path), *argv])
+    assert isinstance(exited.value.code, str) and "\n" not in exited.value.code
+    assert not any(tmp_path.iterdir())
