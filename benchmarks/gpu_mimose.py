@@ -36,7 +36,8 @@ before it beyond the trainer's own parameters and optimizer state) is checked ag
 and reported. On the CPU (smoke runs) no peak is measured; the sheltered peak is then the
 parameter, gradient and optimizer-state bytes, which keeps the planning path exercised.
 
-Deterministic algorithms are on (``CUBLAS_WORKSPACE_CONFIG`` is set before CUDA starts), so
+Deterministic algorithms are on while it measures (``CUBLAS_WORKSPACE_CONFIG`` is set before
+CUDA starts; torch's global settings are restored afterwards), so
 the three trainers' losses are compared bitwise; attention runs on the math backend
 (``--attention math``, the default), whose backward is deterministic.
 """
@@ -54,7 +55,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch starts CUDA
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # models/, graph_passes/ as a script
 
 MIN_LENGTH, MAX_LENGTH = 16, 256
@@ -217,13 +217,21 @@ def measure(config: str, device_name: str, steps: int, seed: int, budget_margin:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_mimose: no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+    # Process-wide settings, restored afterwards (a caller in the same process, e.g. the test
+    # suite, would otherwise export and train under them).
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32, as the shipped profiles
     torch.use_deterministic_algorithms(True, warn_only=True)  # warns where an op has no deterministic kernel
     # The math attention backend: its backward is deterministic (the memory-efficient kernel's
     # is not), and it keeps the attention scores, as the BERTs Mimose measured did.
     backend = sdpa_kernel([SDPBackend.MATH]) if attention == "math" else contextlib.nullcontext()
-    with backend:
-        return _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes, overrides, attention)
+    try:
+        with backend:
+            return _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes, overrides, attention)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
 
 
 def _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes, overrides, attention):
@@ -341,6 +349,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Deterministic cuBLAS needs this before CUDA starts (torch is imported lazily, in measure).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     args = parse_args(argv)
     for flag, value, least in (("--steps", args.steps, 2), ("--batch", args.batch, 1), ("--fit-sizes", args.fit_sizes, 1)):
         if value is not None and value < least:

@@ -70,8 +70,11 @@ def test_planner_recomputes_less_for_smaller_inputs_and_plans_each_bucket_for_it
 
 def test_a_cpu_run_writes_three_rows_with_equal_losses(tmp_path, capsys):
     out = tmp_path / "gpu_mimose.json"
+    deterministic = torch.are_deterministic_algorithms_enabled()
     assert gpu_mimose.main(["--device", "cpu", "--config", "tiny", "--steps", "8", "--batch", "2",
                             "--fit-sizes", "3", "--out", str(out)]) == 0
+    # Deterministic mode is the run's alone (left on, it changes how later exports decompose ops).
+    assert torch.are_deterministic_algorithms_enabled() == deterministic
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"unplanned", "static", "input_aware"}
     for row in result["rows"].values():
