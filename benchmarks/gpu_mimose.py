@@ -57,6 +57,8 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # models/, graph_passes/ as a script
 
+from benchmarks.gpu_recompute import SwitchableRecompute  # noqa: E402 (after the path, as a script)
+
 MIN_LENGTH, MAX_LENGTH = 16, 256
 ROWS = ("unplanned", "static", "input_aware")
 TARGET_SPEEDUP = 1.10
@@ -66,31 +68,6 @@ def lengths_for(steps: int, seed: int) -> list[int]:
     """The longest first, then uniform draws from 16..256 (as ``benchmarks/mimose.py``)."""
     rng = random.Random(seed)
     return [MAX_LENGTH] + [rng.randint(MIN_LENGTH, MAX_LENGTH) for _ in range(steps - 1)]
-
-
-class SwitchableRecompute:
-    """Wraps each of ``model.layers`` so that the layers in :attr:`recomputed` run under
-    ``torch.utils.checkpoint`` and the rest plainly; the model's own forward is unchanged."""
-
-    def __init__(self, torch, model) -> None:
-        from torch.utils.checkpoint import checkpoint
-
-        self.recomputed: frozenset[int] = frozenset()
-        owner = self
-
-        class Layer(torch.nn.Module):
-            def __init__(self, index: int, layer):
-                super().__init__()
-                self.index = index
-                self.layer = layer
-
-            def forward(self, x):
-                if self.index in owner.recomputed:
-                    return checkpoint(self.layer, x, use_reentrant=False)
-                return self.layer(x)
-
-        model.layers = torch.nn.ModuleList(Layer(k, layer) for k, layer in enumerate(model.layers))
-        self.layers = len(model.layers)
 
 
 def layer_saved_bytes(torch, trainer: "Trainer", ids) -> list[int]:
@@ -126,11 +103,10 @@ def layer_saved_bytes(torch, trainer: "Trainer", ids) -> list[int]:
 class Trainer:
     """One of the three rows: a model copy, AdamW, its recompute switch and its per-step log."""
 
-    def __init__(self, torch, spec, device, row: str) -> None:
+    def __init__(self, torch, spec, device) -> None:
         torch.manual_seed(0)
         self.torch = torch
         self.device = device
-        self.row = row
         self.model = copy.deepcopy(spec.model).to(device)
         self.switch = SwitchableRecompute(torch, self.model)
         self.loss_fn = spec.loss_fn
@@ -248,7 +224,7 @@ def _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes
     cuda = device.type == "cuda"
 
     # The budget: the static plan (every layer) at the longest length, plus the margin.
-    probe = Trainer(torch, spec, device, "probe")
+    probe = Trainer(torch, spec, device)
     every = frozenset(range(probe.switch.layers))
     records = [probe.step(*data[0], every) for _ in range(2)]  # the first allocates AdamW's state
     longest = layer_saved_bytes(torch, probe, data[0][0])
@@ -260,7 +236,7 @@ def _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes
     static_plan = frozenset(plan_from_estimates(longest, sheltered_longest + sum(longest) - budget))
 
     # Step k of each trainer in turn (first-use costs of each length hit all three alike).
-    trainers = {row: Trainer(torch, spec, device, row) for row in ROWS}
+    trainers = {row: Trainer(torch, spec, device) for row in ROWS}
     planner = MimosePlanner(trainers["input_aware"].switch.layers, budget, batch, fit_sizes)
     for ids, y in data:
         trainers["unplanned"].step(ids, y, frozenset())

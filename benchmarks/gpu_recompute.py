@@ -34,20 +34,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # models/, when
 LENGTHS = (32, 64, 128, 192, 256)
 
 
+class SwitchableRecompute:
+    """Wraps each of ``model.layers`` so that the layers in :attr:`recomputed` run under
+    ``torch.utils.checkpoint`` and the rest plainly; the model's own forward is unchanged."""
+
+    def __init__(self, torch, model) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        self.recomputed: frozenset[int] = frozenset()
+        owner = self
+
+        class Layer(torch.nn.Module):
+            def __init__(self, index: int, layer):
+                super().__init__()
+                self.index = index
+                self.layer = layer
+
+            def forward(self, x):
+                if self.index in owner.recomputed:
+                    return checkpoint(self.layer, x, use_reentrant=False)
+                return self.layer(x)
+
+        model.layers = torch.nn.ModuleList(Layer(k, layer) for k, layer in enumerate(model.layers))
+        self.layers = len(model.layers)
+
+
 def _recompute_layers(torch, model) -> None:
-    """Put each of ``model.layers`` under ``torch.utils.checkpoint`` (its forward re-runs in the
-    backward); the model's own forward is unchanged."""
-    from torch.utils.checkpoint import checkpoint
-
-    class Recomputed(torch.nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x):
-            return checkpoint(self.layer, x, use_reentrant=False)
-
-    model.layers = torch.nn.ModuleList(Recomputed(layer) for layer in model.layers)
+    """Put every one of ``model.layers`` under ``torch.utils.checkpoint`` (its forward re-runs
+    in the backward); the model's own forward is unchanged."""
+    SwitchableRecompute(torch, model).recomputed = frozenset(range(len(model.layers)))
 
 
 def _step_fn(torch, model, loss_fn, ids, y):

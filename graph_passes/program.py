@@ -244,7 +244,7 @@ def lower(
                 node_indices=tuple(order[p] for p in chunk),
                 inputs=tuple(inputs),
                 outputs=tuple(dict.fromkeys(whole_of.get(o, o) for o in outs)),  # what the session writes
-                workspace_bytes=nodes_workspace_bytes((), set(outs), infos, io=block_io),
+                workspace_bytes=_workspace_bytes(block_io, set(outs), infos),
             )
         )
 
@@ -388,12 +388,13 @@ def _stable_order(graph_inputs: Sequence[str], io: Sequence[NodeIO]):
     return lambda name: rank.get(name, len(rank))
 
 
-def nodes_workspace_bytes(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo],
-                          io: Sequence[NodeIO] | None = None) -> int:
-    """Peak bytes of values born and dead inside the block, walking its nodes in order.
-    ``io``: the nodes' :func:`~graph_passes.liveness.node_io`, in place of ``block_nodes``."""
-    if io is None:
-        io = node_io(block_nodes)
+def nodes_workspace_bytes(block_nodes: Sequence[onnx.NodeProto], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
+    """Peak bytes of values born and dead inside the block, walking its nodes in order."""
+    return _workspace_bytes(node_io(block_nodes), outputs, infos)
+
+
+def _workspace_bytes(io: Sequence[NodeIO], outputs: set[str], infos: Mapping[str, TensorInfo]) -> int:
+    """:func:`nodes_workspace_bytes` from the nodes' :func:`~graph_passes.liveness.node_io`."""
     last_use: dict[str, int] = {}
     for i, entry in enumerate(io):
         for name in entry.reads:

@@ -279,8 +279,8 @@ class RecomputePlanning:
         if cheaper is not None:
             key, cuts, program, trace = cheaper
             model, schedule, clones = self.rewrite(key, segments)
-        self._made[size] = CachedPlan(key, cuts)
-        self.cache.put(size, CachedPlan(key, cuts))
+        self._made[size] = made = CachedPlan(key, cuts)
+        self.cache.put(size, made)
         self._layouts.setdefault(key, set()).add(cuts)
         logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
                     runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))

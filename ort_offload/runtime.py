@@ -313,7 +313,7 @@ class GraphRunner:
         (protobuf messages take no weak references), holding the model so its id stays unique;
         the runner's models are not edited once made (passes return new ones)."""
         entry = self._node_io_of.get(id(model))
-        if entry is None or entry[0] is not model or len(entry[1]) != len(model.graph.node):
+        if entry is None or len(entry[1]) != len(model.graph.node):
             entry = self._node_io_of[id(model)] = (model, node_io(model.graph.node))
         return entry[1]
 

@@ -13,7 +13,7 @@ from models import get_model
 
 
 def _trainer():
-    return gpu_mimose.Trainer(torch, get_model("bert", "tiny"), torch.device("cpu"), "test")
+    return gpu_mimose.Trainer(torch, get_model("bert", "tiny"), torch.device("cpu"))
 
 
 def test_collector_measures_each_layer_whatever_the_recompute_switch():
