@@ -140,6 +140,19 @@ def test_shape_inference_falls_back_to_a_probe_run():
     assert infos["nz"].shape == (1, 2)
 
 
+def test_inferred_infos_share_one_object_per_shape():
+    # A runner keeps every signature's infos: equal (dtype, shape) pairs are one object, across
+    # values and across calls, so kept infos do not grow with the number of values.
+    model = step_graph().model
+    first = shapes.infer_tensor_infos(model, shapes.check_inputs(model, feeds(batch=5)))
+    again = shapes.infer_tensor_infos(model, shapes.check_inputs(model, feeds(batch=5)))
+    other = shapes.infer_tensor_infos(model, shapes.check_inputs(model, feeds(batch=7)))
+    assert first["h"] == first["a"] and first["h"] is first["a"]
+    assert all(again[name] is info for name, info in first.items())
+    assert other["h"].shape == (7, 8) and other["h"] is not first["h"]
+    assert other["w1"] is first["w1"]
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(["Relu", "Sigmoid", "Neg", "Exp", "MatMul", "Add", "Concat"]), min_size=1, max_size=12),
        st.integers(1, 6))
