@@ -31,9 +31,11 @@ def fit_blocks(
     budget: int,
     position_of: Mapping[int, int],
     alignment: int = DEFAULT_ALIGNMENT,
+    max_blocks: int | None = None,
 ) -> tuple[Program, MemoryTrace] | None:
     """The program (and its replay) this refinement finds that fits ``budget``; None if a
-    single node alone does not fit (or the rounds run out).
+    single node alone does not fit (or the rounds run out), or if it would take more than
+    ``max_blocks`` blocks.
 
     ``lower_with_cuts(cuts)`` lowers the graph with block boundaries at those schedule
     positions (on top of the ones the lowering makes itself); ``position_of`` maps a node index
@@ -45,7 +47,7 @@ def fit_blocks(
                 if p.label.startswith("block ") and p.in_use + p.workspace > budget}
         return (over if trace.min_budget_bytes > budget else set()), trace
 
-    return refine_blocks(lower_with_cuts, over_budget, position_of=position_of)
+    return refine_blocks(lower_with_cuts, over_budget, position_of=position_of, max_blocks=max_blocks)
 
 
 def refine_blocks(
@@ -53,12 +55,17 @@ def refine_blocks(
     over_budget: Callable[[Program], tuple[set[int], object]],
     *,
     position_of: Mapping[int, int],
+    max_blocks: int | None = None,
 ):
     """Halve the blocks ``over_budget`` names until it names none; returns (program, what
-    ``over_budget`` returned with it), or None when only single nodes are over."""
+    ``over_budget`` returned with it), or None when only single nodes are over or the
+    program has grown past ``max_blocks`` blocks (rounds only add cuts, so a caller that
+    cannot use more blocks stops there without checking the rest)."""
     cuts: set[int] = set()
     for _ in range(MAX_ROUNDS):
         program = lower_with_cuts(tuple(sorted(cuts)))
+        if max_blocks is not None and len(program.blocks) > max_blocks:
+            return None
         over, detail = over_budget(program)
         if not over:
             return program, detail

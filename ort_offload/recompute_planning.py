@@ -157,6 +157,23 @@ class RecomputePlanning:
                 return program, trace
         return None
 
+    def _fewest_fitting(self, model, schedule, model_infos, budget: int, *, max_blocks: int | None, tried):
+        """(program, trace) of a rewritten graph in its fewest blocks that fit ``budget``: the
+        first uniform lowering that fits (largest blocks first), or the memory-aware partition
+        where that has fewer blocks. None if nothing fits, or, with ``max_blocks``, as soon as
+        it is clear nothing fits in that many blocks (uniform lowerings only get finer, and the
+        partition stops past it). ``tried`` collects the uniform lowerings checked."""
+        runner = self.runner
+        for program in runner.lowerings(model, model_infos, schedule):
+            if max_blocks is not None and len(program.blocks) > max_blocks:
+                return runner.fitted_blocks(model, model_infos, schedule, budget, max_blocks=max_blocks)
+            if tried is not None:
+                tried.append(program)
+            trace = simulate_program(program, model_infos, alignment=runner.runtime.device.alignment)
+            if trace.min_budget_bytes <= budget:
+                return runner.fewest_blocks(model, model_infos, schedule, budget, program, trace)
+        return None
+
     def _lowered_with_cuts(self, model, schedule, model_infos, cuts):
         """(program, memory trace) of a rewritten graph in the block layout ``cuts``."""
         program = self.runner.lower_with_cuts(model, model_infos, schedule, cuts)
@@ -250,29 +267,27 @@ class RecomputePlanning:
                 if "swap" not in runner.passes:
                     return runner.model, infos, programs, None, 0, min(needed, result.needed_bytes)
                 result = all_segments  # as far as recompute goes; swap does the rest
-            # That plan, and every segment recomputed (which may let larger blocks fit), each in
-            # a block layout it already ran with or its fewest blocks that fit: fewer blocks win
-            # (ties: less recomputed).
-            best = None  # (blocks, key, program, trace)
-            candidates: list[Program] = []
-            for plan in dict.fromkeys([result, RecomputePlan(tuple(segments))]):
+            # Every segment recomputed (which may let larger blocks fit) and that plan, each in a
+            # block layout it already ran with or its fewest blocks that fit: fewer blocks win
+            # (ties: less recomputed). Every segment first: its block count bounds the search
+            # for the other, which cannot win with more.
+            best = None  # (blocks, clones, key, program, trace)
+            candidates: list[Program] = []  # the plan's uniform lowerings, for swap to start from
+            for plan in dict.fromkeys([RecomputePlan(tuple(segments)), result]):
                 key = tuple(s.index for s in plan.segments)
                 model, schedule, clones = self.rewrite(key, segments)
                 fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
-                for program in ([] if fitting is not None else runner.lowerings(model, model_infos(key), schedule)):
-                    if plan is result:
-                        candidates.append(program)
-                    trace = simulate_program(program, model_infos(key), alignment=alignment)
-                    if trace.min_budget_bytes <= budget:
-                        fitting = runner.fewest_blocks(model, model_infos(key), schedule, budget, program, trace)
-                        break
-                if fitting is not None and (best is None or len(fitting[0].blocks) < best[0]):
-                    best = (len(fitting[0].blocks), key, *fitting)
+                if fitting is None:
+                    fitting = self._fewest_fitting(model, schedule, model_infos(key), budget,
+                                                   max_blocks=None if best is None else best[0],
+                                                   tried=candidates if plan == result else None)
+                if fitting is not None and (best is None or (len(fitting[0].blocks), clones) < best[:2]):
+                    best = (len(fitting[0].blocks), clones, key, *fitting)
             if best is None:  # only with swap allowed: swap does the rest
                 key = tuple(s.index for s in result.segments)
                 model, _, clones = self.rewrite(key, segments)
                 return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
-            _, key, program, trace = best
+            _, _, key, program, trace = best
         model, schedule, clones = self.rewrite(key, segments)
         cuts = _block_starts(program, schedule, len(model.graph.node))
         cheaper = self._cheaper_from_larger_size(size, segments, clones, len(program.blocks), model_infos, budget)

@@ -338,16 +338,21 @@ class GraphRunner:
         """``program`` (a uniform lowering that fits ``budget``), or a memory-aware partition
         of the same graph (:func:`graph_passes.partition.fit_blocks`) if it fits with fewer
         blocks."""
-        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
-            return program, trace  # block size fixed by the user, or by the graph's swap nodes
-        order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
-        position_of = {node: position for position, node in enumerate(order)}
-
-        refined = fit_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), infos, budget=budget, position_of=position_of,
-                             alignment=self.runtime.device.alignment)
+        refined = self.fitted_blocks(model, infos, schedule, budget)
         if refined is not None and len(refined[0].blocks) < len(program.blocks):
             return refined
         return program, trace
+
+    def fitted_blocks(self, model, infos, schedule, budget: int, *, max_blocks: int | None = None):
+        """(program, trace) of the memory-aware partition (:func:`graph_passes.partition.fit_blocks`)
+        if it fits ``budget`` in at most ``max_blocks`` blocks; None if not, or where the block
+        size is fixed (by the user, or by the graph's swap nodes)."""
+        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
+            return None
+        order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
+        position_of = {node: position for position, node in enumerate(order)}
+        return fit_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), infos, budget=budget,
+                          position_of=position_of, alignment=self.runtime.device.alignment, max_blocks=max_blocks)
 
     def _choose_recompute_or_swap(self, infos, budget: int, needed: int):
         """Where recompute and swap are both allowed (issue 4, item 5): plan recompute alone

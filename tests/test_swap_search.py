@@ -168,3 +168,20 @@ def test_memory_aware_partition_fits_with_no_more_blocks_than_a_uniform_one(wher
     assert len(program.blocks) <= len(uniform.blocks)
     assert fit_blocks(lambda cuts: lowered(max_block_nodes=count, extra_cuts=cuts), infos, budget=finest - 1,
                       position_of={i: i for i in range(count)}) is None
+    # A block limit: the same partition where it allows as many blocks, none where it allows fewer
+    # (the refinement only adds cuts), and the lowerings past the limit are never replayed.
+    calls = []
+
+    def counted(cuts):
+        calls.append(cuts)
+        return lowered(max_block_nodes=count, extra_cuts=cuts)
+
+    within = fit_blocks(counted, infos, budget=budget, position_of={i: i for i in range(count)},
+                        max_blocks=len(program.blocks))
+    assert within is not None and [b.node_indices for b in within[0].blocks] == [b.node_indices for b in program.blocks]
+    rounds = len(calls)
+    if len(program.blocks) > 1:
+        calls.clear()
+        assert fit_blocks(counted, infos, budget=budget, position_of={i: i for i in range(count)},
+                          max_blocks=len(program.blocks) - 1) is None
+        assert len(calls) <= rounds
