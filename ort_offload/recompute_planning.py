@@ -157,23 +157,6 @@ class RecomputePlanning:
                 return program, trace
         return None
 
-    def _fewest_fitting(self, model, schedule, model_infos, budget: int, *, max_blocks: int | None, tried):
-        """(program, trace) of a rewritten graph in its fewest blocks that fit ``budget``: the
-        first uniform lowering that fits (largest blocks first), or the memory-aware partition
-        where that has fewer blocks. None if nothing fits, or, with ``max_blocks``, as soon as
-        it is clear nothing fits in that many blocks (uniform lowerings only get finer, and the
-        partition stops past it). ``tried`` collects the uniform lowerings checked."""
-        runner = self.runner
-        for program in runner.lowerings(model, model_infos, schedule):
-            if max_blocks is not None and len(program.blocks) > max_blocks:
-                return runner.fitted_blocks(model, model_infos, schedule, budget, max_blocks=max_blocks)
-            if tried is not None:
-                tried.append(program)
-            trace = simulate_program(program, model_infos, alignment=runner.runtime.device.alignment)
-            if trace.min_budget_bytes <= budget:
-                return runner.fewest_blocks(model, model_infos, schedule, budget, program, trace)
-        return None
-
     def _lowered_with_cuts(self, model, schedule, model_infos, cuts):
         """(program, memory trace) of a rewritten graph in the block layout ``cuts``."""
         program = self.runner.lower_with_cuts(model, model_infos, schedule, cuts)
@@ -278,9 +261,9 @@ class RecomputePlanning:
                 model, schedule, clones = self.rewrite(key, segments)
                 fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
                 if fitting is None:
-                    fitting = self._fewest_fitting(model, schedule, model_infos(key), budget,
-                                                   max_blocks=None if best is None else best[0],
-                                                   tried=candidates if plan == result else None)
+                    fitting = runner.fewest_fitting_blocks(model, model_infos(key), schedule, budget,
+                                                           max_blocks=None if best is None else best[0],
+                                                           tried=candidates if plan == result else None)
                 if fitting is not None and (best is None or (len(fitting[0].blocks), clones) < best[:2]):
                     best = (len(fitting[0].blocks), clones, key, *fitting)
             if best is None:  # only with swap allowed: swap does the rest

@@ -334,6 +334,23 @@ class GraphRunner:
         for block_nodes in block_size_candidates(len(model.graph.node), self.runtime.device.max_block_nodes):
             yield self.lower_program(model, infos, schedule, max_block_nodes=block_nodes)
 
+    def fewest_fitting_blocks(self, model, infos, schedule, budget: int, *, max_blocks: int | None = None,
+                              tried: list[Program] | None = None):
+        """(program, trace) of ``model`` in its fewest blocks that fit ``budget``: the first
+        uniform lowering that fits (largest blocks first), or the memory-aware partition where
+        that has fewer blocks. None if nothing fits or, with ``max_blocks``, as soon as it is
+        clear nothing fits in that many (uniform lowerings only get finer, and the partition
+        stops past it). ``tried`` collects the uniform lowerings checked."""
+        for program in self.lowerings(model, infos, schedule):
+            if max_blocks is not None and len(program.blocks) > max_blocks:
+                return self.fitted_blocks(model, infos, schedule, budget, max_blocks=max_blocks)
+            if tried is not None:
+                tried.append(program)
+            trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
+            if trace.min_budget_bytes <= budget:
+                return self.fewest_blocks(model, infos, schedule, budget, program, trace)
+        return None
+
     def fewest_blocks(self, model, infos, schedule, budget: int, program: Program, trace: MemoryTrace):
         """``program`` (a uniform lowering that fits ``budget``), or a memory-aware partition
         of the same graph (:func:`graph_passes.partition.fit_blocks`) if it fits with fewer

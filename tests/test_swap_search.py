@@ -169,7 +169,7 @@ def test_memory_aware_partition_fits_with_no_more_blocks_than_a_uniform_one(wher
     assert fit_blocks(lambda cuts: lowered(max_block_nodes=count, extra_cuts=cuts), infos, budget=finest - 1,
                       position_of={i: i for i in range(count)}) is None
     # A block limit: the same partition where it allows as many blocks, none where it allows fewer
-    # (the refinement only adds cuts), and the lowerings past the limit are never replayed.
+    # (the refinement only adds cuts), found in no more rounds than without the limit.
     calls = []
 
     def counted(cuts):
