@@ -44,6 +44,7 @@ from ort_offload.budget import format_bytes
 from ort_offload.copy_engine import CopyEngine
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
+from ort_offload.gc_pause import collection_paused
 from ort_offload.host_store import HostStore
 from ort_offload.recompute_planning import RecomputePlanning
 
@@ -216,6 +217,21 @@ class GraphRunner:
             return prepared
         self.runtime.stats.plans_made += 1
         start = time.perf_counter()
+        with collection_paused():
+            prepared = self._prepare_signature(signature, input_infos, probe_feeds)
+        self._prepared[signature] = prepared
+        self.last_trace = prepared.trace
+        self.last_prepared = prepared
+        self.runtime.stats.plan_time_s += time.perf_counter() - start
+        logger.info(
+            "prepared %s: %d blocks, unplanned peak %s, this program's minimum budget %s",
+            self.graph.name, len(prepared.program.blocks), format_bytes(self.baseline_peak_bytes),
+            format_bytes(prepared.trace.min_budget_bytes),
+        )
+        return prepared
+
+    def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
+        """What ``prepare`` does for a signature not seen before."""
         if callable(probe_feeds):
             probe_feeds = probe_feeds()
         infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
@@ -286,18 +302,8 @@ class GraphRunner:
         if recompute_allowed and budget is not None:
             self.recompute.observe(infos, unplanned_need)
         program, trace, applied, base, plan = chosen
-        prepared = PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
-                                recomputed_nodes=recomputed, split_nodes=split_nodes, split_plan=split_plan)
-        self._prepared[signature] = prepared
-        self.last_trace = trace
-        self.last_prepared = prepared
-        self.runtime.stats.plan_time_s += time.perf_counter() - start
-        logger.info(
-            "prepared %s: %d blocks, unplanned peak %s, this program's minimum budget %s",
-            self.graph.name, len(program.blocks), format_bytes(self.baseline_peak_bytes),
-            format_bytes(trace.min_budget_bytes),
-        )
-        return prepared
+        return PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
+                            recomputed_nodes=recomputed, split_nodes=split_nodes, split_plan=split_plan)
 
     def lower_program(self, model: onnx.ModelProto, infos, schedule, *, max_block_nodes: int, extra_cuts=()) -> Program:
         """``model`` (this graph, or a rewrite of it) lowered for these shapes."""

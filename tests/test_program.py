@@ -153,6 +153,42 @@ def test_inferred_infos_share_one_object_per_shape():
     assert other["w1"] is first["w1"]
 
 
+def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
+    # Preparing makes many short-lived objects; with the collector on they trigger full passes
+    # over every object in the process. Off while preparing, back to how it was afterwards,
+    # also when preparing fails; a cached signature is not prepared again.
+    import gc
+
+    g = step_graph()
+    runner = GraphRunner(Runtime(set_offload_device("cpu")), g, fetches=["loss"])
+    seen = []
+    infer = shapes.infer_tensor_infos
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return infer(*args, **kwargs)
+
+    monkeypatch.setattr(shapes, "infer_tensor_infos", recording)
+    assert gc.isenabled()
+    runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
+    runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        runner.prepare(shapes.check_inputs(g.model, feeds(batch=6)))
+        assert seen == [False, False] and not gc.isenabled()  # left off, as the caller had it
+    finally:
+        gc.enable()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("shape inference failed")
+
+    monkeypatch.setattr(shapes, "infer_tensor_infos", failing)
+    with pytest.raises(RuntimeError):
+        runner.prepare(shapes.check_inputs(g.model, feeds(batch=7)))
+    assert gc.isenabled()
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(["Relu", "Sigmoid", "Neg", "Exp", "MatMul", "Add", "Concat"]), min_size=1, max_size=12),
        st.integers(1, 6))
