@@ -126,6 +126,10 @@ def run_main(
     width = max(shutil.get_terminal_size((table_width, 24)).columns, table_width)
     console = Console(width=width)
     err = Console(stderr=True, width=width)
+    out_dir = results_dir(out)
+    if out_dir.exists() and not out_dir.is_dir():  # found now, not after the measuring
+        print(f"error: --out {out_dir} is a file; give a directory for {result_file}", file=sys.stderr)
+        return 2
     result = {
         "command": shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine_info(),
@@ -133,7 +137,6 @@ def run_main(
     result.update(measure(lambda msg: err.print(f"[dim]{msg}[/]")))
     if hasattr(os, "getloadavg"):
         result["machine"]["load_average_end"] = list(os.getloadavg())
-    out_dir = results_dir(out)
     path = write_json_atomic(Path(out_dir) / result_file, result)
     extra = list(extra_outputs(result, Path(out_dir))) if extra_outputs is not None else []
     print_table(result, console)

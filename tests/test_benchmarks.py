@@ -96,3 +96,15 @@ def test_export_times(quick_run):
     assert export["cache_hit"] == [False, True]
     assert export["export_time_s"] > 0 and export["export_wall_s"] >= export["export_time_s"]
     assert 0 < export["cache_hit_wall_s"] < export["export_wall_s"]
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_measuring(tmp_path, capsys):
+    from benchmarks.common import run_main
+
+    taken = tmp_path / "results.json"
+    taken.write_text("{}")
+    measured = []
+    code = run_main(module="benchmarks.x", result_file="x.json", argv=[], out=taken, table_width=80,
+                    measure=lambda log: measured.append(1) or {}, print_table=lambda result, console: None)
+    assert code == 2 and not measured and taken.read_text() == "{}"
+    assert "is a file" in capsys.readouterr().err
