@@ -17,8 +17,9 @@ whose unplanned graph does not fit:
    segment credited with the share of its saved bytes that earlier plans actually took off the
    least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
    estimate fell short, the rule continues with measured excess.
-3. Only if recomputing every segment does not fit in the largest blocks: the bucket rule with
-   single-node blocks; that plan and every segment recomputed each get a block layout their
+3. Only if recomputing every segment does not fit in the largest blocks (known without a replay
+   where it did not at input dimensions no larger, under a budget no smaller): the bucket rule
+   with single-node blocks; that plan and every segment recomputed each get a block layout their
    rewritten graph already ran with at another size if one fits (its sessions exist), else
    their fewest blocks that fit; fewer blocks win.
 4. The plan made at a larger size with the fewest cloned nodes replaces the new plan where it
@@ -104,6 +105,8 @@ class RecomputePlanning:
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
         self._made: dict[int, CachedPlan] = {}  # input size -> the plan made there
+        # (data input dimensions, budget) where every segment recomputed did not fit the largest blocks
+        self._largest_blocks_exceeded: list[tuple[tuple[int, ...], int]] = []
 
     # ---- size-independent parts -------------------------------------------------------------
 
@@ -229,18 +232,26 @@ class RecomputePlanning:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1
-        result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
+        dims = tuple(d for name in runner.graph.data_inputs for d in infos[name].shape)
+        result: RecomputePlan | NoRecomputePlan | None = None
+        if not any(budget <= under and all(d >= e for d, e in zip(dims, at))
+                   for at, under in self._largest_blocks_exceeded):
+            result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
+        # else: every segment recomputed did not fit the largest blocks at input dimensions no
+        # larger under a budget no smaller, so it does not here; the rule would only replay there
+        if isinstance(result, NoRecomputePlan):
+            self._largest_blocks_exceeded.append((dims, budget))
         if self.estimator.ready:
-            if not isinstance(result, NoRecomputePlan) and len(result.segments) > len(first):
+            if isinstance(result, RecomputePlan) and len(result.segments) > len(first):
                 self.stats.estimate_fell_short += 1
         else:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
-        if not isinstance(result, NoRecomputePlan) and result.saved_bytes > 0:
+        if isinstance(result, RecomputePlan) and result.saved_bytes > 0:
             # How much of the recomputed segments' saved bytes came off the least budget.
             empty = need(False)(RecomputePlan(()))
             self._credits.append((empty - need(False)(result)) / result.saved_bytes)
 
-        if not isinstance(result, NoRecomputePlan):
+        if isinstance(result, RecomputePlan):
             key = tuple(s.index for s in result.segments)
             program, trace = lowered(key, False)
         else:  # not in the largest blocks: the least recompute that fits in single-node blocks

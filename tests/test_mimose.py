@@ -126,3 +126,46 @@ def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it():
     assert run.trainer.report()["peak_device_bytes"] <= budget
     assert run.losses == reference.losses
     assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
+
+
+def test_a_larger_size_skips_the_largest_blocks_once_every_segment_exceeded_them(monkeypatch):
+    """bert small, budget 0.33: at length 240 every segment recomputed does not fit the largest
+    blocks, so at 256 (a new bucket, every input dimension at least as large, the same budget)
+    the bucket rule is not replayed there, only with single-node blocks. The plan is the one
+    made when 240's outcome is not remembered; within budget and bitwise equal to unplanned."""
+    import ort_offload.recompute_planning as planning
+
+    rules = []
+
+    class CountingPlanner(planning.RecomputePlanner):
+        def plan(self, *args, **kwargs):
+            rules.append(args[0])
+            return super().plan(*args, **kwargs)
+
+    class Forgetful(list):
+        def append(self, item):
+            pass
+
+    monkeypatch.setattr(planning, "RecomputePlanner", CountingPlanner)
+    spec = get_model("bert", "small")
+    data = [spec.make_batch(seq=n, seed=k) for k, n in enumerate([240, 256])]
+    reference = train_ort("bert", config="small", optimizer="adamw", data=data)
+    budget = int(0.33 * reference.trainer.report()["peak_device_bytes"])
+    run = train_ort("bert", config="small", optimizer="adamw", data=data, budget=budget, passes="recompute")
+    assert len(rules) == 3  # 240: the largest blocks, then single-node blocks; 256: single-node only
+    init = planning.RecomputePlanning.__init__
+
+    def forgetting(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._largest_blocks_exceeded = Forgetful()
+
+    monkeypatch.setattr(planning.RecomputePlanning, "__init__", forgetting)
+    rules.clear()
+    unaided = train_ort("bert", config="small", optimizer="adamw", data=data, budget=budget, passes="recompute")
+    assert len(rules) == 4
+    ours, theirs = run.trainer.runner.last_prepared, unaided.trainer.runner.last_prepared
+    assert ours.recomputed_nodes == theirs.recomputed_nodes > 0
+    assert [b.node_indices for b in ours.program.blocks] == [b.node_indices for b in theirs.program.blocks]
+    assert run.trainer.report()["peak_device_bytes"] <= budget
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
