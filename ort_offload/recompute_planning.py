@@ -150,6 +150,13 @@ class RecomputePlanning:
         self.stats.reuses += 1
         return model, model_infos, (program, trace, ("recompute",), program, None), clones
 
+    def _largest_blocks_known_exceeded(self, dims: tuple[int, ...], budget: int) -> bool:
+        """Whether every segment recomputed did not fit the largest blocks at data input
+        dimensions no larger than ``dims`` under a budget no smaller: then it does not here
+        either, and the bucket rule would only replay its way to that."""
+        return any(budget <= under and all(d >= e for d, e in zip(dims, at))
+                   for at, under in self._largest_blocks_exceeded)
+
     def _known_layout(self, key, model, schedule, model_infos, budget: int):
         """(program, trace) in the fewest-block layout this rewritten graph already ran with at
         another size, if one fits ``budget``: its block sessions exist (a new layout's sessions
@@ -233,12 +240,9 @@ class RecomputePlanning:
             self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1
         dims = tuple(d for name in runner.graph.data_inputs for d in infos[name].shape)
-        result: RecomputePlan | NoRecomputePlan | None = None
-        if not any(budget <= under and all(d >= e for d, e in zip(dims, at))
-                   for at, under in self._largest_blocks_exceeded):
+        result: RecomputePlan | NoRecomputePlan | None = None  # None: the largest blocks not tried
+        if not self._largest_blocks_known_exceeded(dims, budget):
             result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
-        # else: every segment recomputed did not fit the largest blocks at input dimensions no
-        # larger under a budget no smaller, so it does not here; the rule would only replay there
         if isinstance(result, NoRecomputePlan):
             self._largest_blocks_exceeded.append((dims, budget))
         if self.estimator.ready:
