@@ -54,6 +54,9 @@ class Segment:
     nodes: tuple[int, ...]  # node indices, graph order
     saved: tuple[str, ...]  # outputs of these nodes that backward nodes read (random outputs excluded)
     saved_bytes: int
+    # A selective unit (graph_passes.selective_recompute): some saved values of segment
+    # ``within``, re-created from its other saved values; None for a segment.
+    within: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,11 +45,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.memory import simulate_program
 from graph_passes.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.program import Program, order_dependent_last
 from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
 from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
+from graph_passes.selective_recompute import selective_units
 from ort_offload.budget import format_bytes
 from ort_offload.device import RECOMPUTE_POLICIES
 
@@ -91,16 +93,19 @@ class RecomputeStats:
 class RecomputePlanning:
     """Recompute plans for one runner's graph, across input signatures."""
 
-    def __init__(self, runner: "GraphRunner", *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES) -> None:
+    def __init__(self, runner: "GraphRunner", *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES,
+                 selective: bool = True) -> None:
         if policy not in RECOMPUTE_POLICIES:  # set_offload_device checks it too; this class is usable alone
             raise ValueError(f"unknown recompute policy {policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
         self.runner = runner
         self.policy = policy
         self.cache: PlanCache[CachedPlan] = PlanCache(None if policy == "static" else CACHE_GRANULARITY)
         self.fit_sizes = fit_sizes
+        self.selective = selective  # plans start from the segments' cheap units
         self.estimator: LayerMemoryEstimator | None = None
         self.stats = RecomputeStats()
         self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
+        self._unit_layout: list[tuple[tuple[int, ...], tuple[str, ...], int]] | None = None  # ... and segment
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
@@ -119,8 +124,32 @@ class RecomputePlanning:
         return [Segment(k, nodes, saved, sum(infos[n].nbytes for n in saved if n in infos))
                 for k, (nodes, saved) in enumerate(self._layout)]
 
+    def units(self, infos) -> list[Segment]:
+        """The segments' selective units (:mod:`graph_passes.selective_recompute`; found at
+        the first size, indexed after the segments), with this size's saved bytes; none
+        without ``selective``."""
+        segments = self.segments(infos)
+        if self._unit_layout is None:
+            cost_model = AnalyticalCostModel(self.runner.runtime.planning_profile())
+            found = selective_units(segments, self.runner.model, infos, cost_model=cost_model,
+                                    first_index=len(segments)) if self.selective else []
+            self._unit_layout = [(u.nodes, u.saved, u.within) for u in found]
+        return [Segment(len(segments) + k, nodes, saved, sum(infos[n].nbytes for n in saved if n in infos), within)
+                for k, (nodes, saved, within) in enumerate(self._unit_layout)]
+
+    def recomputables(self, infos) -> list[Segment]:
+        """Segments and then units: what a plan's indices (and :meth:`rewrite`'s keys) index."""
+        return self.segments(infos) + self.units(infos)
+
+    def key_of(self, plan: RecomputePlan) -> tuple[int, ...]:
+        """The plan's indices, without the units of segments it recomputes whole (their values
+        are among the segment's clones): one key, one rewritten graph, one set of sessions."""
+        whole = {s.index for s in plan.segments}
+        return tuple(sorted(s.index for s in plan.segments if s.within not in whole))
+
     def rewrite(self, key: tuple[int, ...], segments: list[Segment]):
-        """(model, schedule, clone count) of the graph with these segments recomputed."""
+        """(model, schedule, clone count) of the graph with these segments (and units)
+        recomputed (``key`` as :meth:`key_of` gives it)."""
         if key not in self._rewritten:
             plan = RecomputePlan(tuple(segments[k] for k in key))
             model, clones = write_recompute_plan(self.runner.model, plan, loss_name=self.runner.graph.loss_name)
@@ -139,7 +168,7 @@ class RecomputePlanning:
         cached = self.cache.get(size)
         if cached is None:
             return None
-        segments = self.segments(infos)
+        segments = self.recomputables(infos)
         model, schedule, clones = self.rewrite(cached.segments, segments)
         model_infos = recomputed_infos(infos, model)
         program, trace = self._lowered_with_cuts(model, schedule, model_infos, cached.cuts)
@@ -196,10 +225,16 @@ class RecomputePlanning:
         rewritten graph fits in them, measured by replay, starting from the estimator's plan
         once it is fitted. Only if recomputing everything does not fit there: the same rule
         with single-node blocks, then whichever of that plan and everything recomputed fits in
-        fewer blocks."""
+        fewer blocks. Every plan starts from the segments' cheap units (selective
+        recomputation); the rule picks whole segments, each counted for what its units do not
+        already free."""
         runner = self.runner
         alignment = runner.runtime.device.alignment
-        segments = self.segments(infos)
+        layers = self.segments(infos)
+        units = self.units(infos)
+        segments = layers + units  # what plan keys index
+        unit_bytes = [sum(u.saved_bytes for u in units if u.within == s.index) for s in layers]
+        picking = [dataclasses.replace(s, saved_bytes=s.saved_bytes - unit_bytes[s.index]) for s in layers]
         size = input_size(infos, runner.graph.data_inputs)
         model_infos_of: dict[tuple[int, ...], dict] = {}
         traced: dict[tuple[tuple[int, ...], bool], tuple[Program, object]] = {}
@@ -221,7 +256,7 @@ class RecomputePlanning:
             return traced[(key, finest)]
 
         def need(finest: bool):
-            return lambda plan: lowered(tuple(s.index for s in plan.segments), finest)[1].min_budget_bytes
+            return lambda plan: lowered(self.key_of(plan), finest)[1].min_budget_bytes
 
         if programs and runner.baseline_trace is not None:
             # Nothing recomputed, in the largest blocks: the unplanned program prepare lowered
@@ -233,20 +268,21 @@ class RecomputePlanning:
         start_time = time.perf_counter()
         first: tuple[int, ...] = ()
         if self.estimator.ready:
-            excess = self.estimator.predict_need(size) - budget
             credit = self.credit()
-            first = plan_from_estimates([credit * b for b in self.estimator.predict_layers(size)], excess)
+            excess = self.estimator.predict_need(size) - budget - credit * sum(unit_bytes)
+            first = plan_from_estimates([credit * (b - u) for b, u in zip(self.estimator.predict_layers(size), unit_bytes)],
+                                        excess)
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1
         dims = tuple(d for name in runner.graph.data_inputs for d in infos[name].shape)
         result: RecomputePlan | NoRecomputePlan | None = None  # None: the largest blocks not tried
         if not self._largest_blocks_known_exceeded(dims, budget):
-            result = RecomputePlanner().plan(segments, budget, need(False), start=[segments[k] for k in first])
+            result = RecomputePlanner().plan(picking, budget, need(False), start=units + [picking[k] for k in first])
         if isinstance(result, NoRecomputePlan):
             self._largest_blocks_exceeded.append((dims, budget))
         if self.estimator.ready:
-            if isinstance(result, RecomputePlan) and len(result.segments) > len(first):
+            if isinstance(result, RecomputePlan) and len(result.segments) > len(units) + len(first):
                 self.stats.estimate_fell_short += 1
         else:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
@@ -254,14 +290,21 @@ class RecomputePlanning:
             # How much of the recomputed segments' saved bytes came off the least budget.
             empty = need(False)(RecomputePlan(()))
             self._credits.append((empty - need(False)(result)) / result.saved_bytes)
+        if isinstance(result, RecomputePlan) and any(s.within is not None for s in result.segments):
+            # Units go first, segments after; where the segments alone fit, the units saved no
+            # segment and would only cost time.
+            whole = RecomputePlan(tuple(s for s in result.segments if s.within is None))
+            if need(False)(whole) <= budget:
+                result = whole
 
         if isinstance(result, RecomputePlan):
-            key = tuple(s.index for s in result.segments)
+            key = self.key_of(result)
             program, trace = lowered(key, False)
         else:  # not in the largest blocks: the least recompute that fits in single-node blocks
-            result = RecomputePlanner().plan(segments, budget, need(True))
+            # (Segments only: here the finest blocks, not the units, decide what fits.)
+            result = RecomputePlanner().plan(layers, budget, need(True))
             if isinstance(result, NoRecomputePlan):
-                all_segments = RecomputePlan(tuple(segments))
+                all_segments = RecomputePlan(tuple(layers))
                 if "swap" not in runner.passes:
                     return runner.model, infos, programs, None, 0, min(needed, result.needed_bytes)
                 result = all_segments  # as far as recompute goes; swap does the rest
@@ -271,8 +314,8 @@ class RecomputePlanning:
             # for the other, which cannot win with more.
             best = None  # (blocks, clones, key, program, trace)
             candidates: list[Program] = []  # the plan's uniform lowerings, for swap to start from
-            for plan in dict.fromkeys([RecomputePlan(tuple(segments)), result]):
-                key = tuple(s.index for s in plan.segments)
+            for plan in dict.fromkeys([RecomputePlan(tuple(layers)), result]):
+                key = self.key_of(plan)
                 model, schedule, clones = self.rewrite(key, segments)
                 fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
                 if fitting is None:
@@ -282,7 +325,7 @@ class RecomputePlanning:
                 if fitting is not None and (best is None or (len(fitting[0].blocks), clones) < best[:2]):
                     best = (len(fitting[0].blocks), clones, key, *fitting)
             if best is None:  # only with swap allowed: swap does the rest
-                key = tuple(s.index for s in result.segments)
+                key = self.key_of(result)
                 model, _, clones = self.rewrite(key, segments)
                 return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
             _, _, key, program, trace = best
@@ -295,8 +338,9 @@ class RecomputePlanning:
         self._made[size] = made = CachedPlan(key, cuts)
         self.cache.put(size, made)
         self._layouts.setdefault(key, set()).add(cuts)
-        logger.info("recompute plan for %s at input size %d: %d of %d segments, %d nodes cloned, %d blocks",
-                    runner.graph.name, size, len(key), len(segments), clones, len(program.blocks))
+        logger.info("recompute plan for %s at input size %d: %d of %d segments (and %d units), %d nodes cloned, "
+                    "%d blocks", runner.graph.name, size, len([k for k in key if k < len(layers)]), len(layers),
+                    len([k for k in key if k >= len(layers)]), clones, len(program.blocks))
         return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
             trace.min_budget_bytes
 
