@@ -49,6 +49,10 @@ class OffloadDevice:
     # How recompute plans follow the input size (ort_offload.recompute_planning): "input_aware"
     # (Mimose: a plan per size bucket) or "static" (the first plan serves every size it fits).
     recompute_policy: str = "input_aware"
+    # Recompute plans start from each segment's cheap saved values (GELU and layer-norm
+    # outputs, copies) before whole segments (graph_passes.selective_recompute); False: whole
+    # segments only, as Mimose plans.
+    selective_recompute: bool = True
 
     @property
     def swap_outs_are_async(self) -> bool:
@@ -73,6 +77,7 @@ def set_offload_device(
     arena_policy: str = "best_fit",
     async_swap_outs: bool | None = None,
     recompute_policy: str = "input_aware",
+    selective_recompute: bool = True,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
     name = str(kind).strip().lower()
@@ -98,4 +103,5 @@ def set_offload_device(
         kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
+        selective_recompute=selective_recompute,
     )

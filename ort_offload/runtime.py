@@ -187,7 +187,8 @@ class GraphRunner:
         # keeps everything before them in one block (swap nodes fix positions: keep the order).
         self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
-        self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy)
+        self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy,
+                                           selective=runtime.device.selective_recompute)
         self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
         self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
         self.last_segment_costs: list = []  # graph_passes.offload_choice.SegmentCost of that choice

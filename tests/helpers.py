@@ -29,7 +29,7 @@ def batches(name: str, steps: int, *, seq_lengths=None, config="tiny"):
 
 def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny", block_nodes=None,
               data=None, drop_prefetches=False, arena_policy=None, async_swap_outs=None, planning_profile=None,
-              **options) -> Run:
+              selective_recompute=True, **options) -> Run:
     spec = get_model(name, config)
     data = data or batches(name, steps, config=config)
     kwargs = {"max_block_nodes": block_nodes} if block_nodes else {}
@@ -39,7 +39,8 @@ def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny"
         kwargs["async_swap_outs"] = async_swap_outs
     if planning_profile is not None:
         kwargs["planning_profile"] = planning_profile
-    device = ort_offload.set_offload_device("cpu", budget=budget, drop_prefetches=drop_prefetches, **kwargs)
+    device = ort_offload.set_offload_device("cpu", budget=budget, drop_prefetches=drop_prefetches,
+                                            selective_recompute=selective_recompute, **kwargs)
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
@@ -88,15 +89,15 @@ def to_torch(arrays):
     return tuple(torch.from_numpy(np.asarray(a)) for a in arrays)
 
 
-def step_graph_and_feeds(name: str):
+def step_graph_and_feeds(name: str, config: str = "tiny"):
     """A zoo model's exported step graph, values for all of its inputs (initial state, one
     batch) and the tensor infos for that signature: for running the graph in stock ORT."""
     from graph_passes import shapes
     from ort_offload.export import initial_state
 
-    graph = train_ort(name, optimizer="adamw", steps=1).trainer.graph
-    (inputs, targets), = batches(name, 1)
-    feeds = initial_state(graph, get_model(name).model, lr=1e-3)
+    graph = train_ort(name, optimizer="adamw", steps=1, config=config).trainer.graph
+    (inputs, targets), = batches(name, 1, config=config)
+    feeds = initial_state(graph, get_model(name, config).model, lr=1e-3)
     feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
     return graph, feeds, shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
 
