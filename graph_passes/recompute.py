@@ -13,11 +13,7 @@ stream between two transformer layers, the feature map between two CNN stages. V
 most :data:`TRIVIAL_BYTES` (shapes, scalars) do not count, nor do values read over more than
 :data:`LONG_LIVED_SHARE` of the forward (a causal mask every layer reads). The forward nodes between two cuts
 form a segment; segments saving less than :data:`MIN_SEGMENT_SHARE` of all saved bytes are merged
-into the next one. A value that a later segment reads (the cut value: the next segment's
-checkpoint) is not among a segment's saved values: it is kept, as checkpointing keeps a layer's
-input. Recomputing it would buy little: a recomputed next segment's clones read the original,
-so it stays alive anyway, and a layer's output costs its last product (a transformer's
-feed-forward output is half its recomputation) for one residual-stream-sized tensor.
+into the next one.
 
 **Plans** (:class:`RecomputePlanner`). Recomputing a segment means the backward reads clones
 of its saved values, computed from what the segment read (its checkpoint: the cut value, the
@@ -95,10 +91,8 @@ def forward_nodes(model: onnx.ModelProto, loss_name: str) -> set[int]:
     return ancestor_nodes(nodes, [loss_name], producer)
 
 
-def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *, loss_name: str,
-                     keep_checkpoints: bool = True) -> list[Segment]:
-    """The forward cut into segments at single-live-value points (see the module docstring).
-    ``keep_checkpoints=False``: values later segments read are among the saved values too."""
+def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *, loss_name: str) -> list[Segment]:
+    """The forward cut into segments at single-live-value points (see the module docstring)."""
     nodes = list(model.graph.node)
     forward = forward_nodes(model, loss_name)
     order = [i for i in range(len(nodes)) if i in forward]
@@ -151,13 +145,6 @@ def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *,
             merged[-1] = (merged[-1][0] + carry[0], merged[-1][1] + carry[1])
         else:
             merged.append(carry)
-    if keep_checkpoints:
-        segment_of = {i: k for k, (members, _) in enumerate(merged) for i in members}
-        read_later: set[str] = set()  # values a forward node of a later segment reads
-        for index in order:
-            read_later.update(n for n in consumed_names(nodes[index])
-                              if n in produced_by and segment_of[produced_by[n]] != segment_of[index])
-        merged = [(members, tuple(n for n in saved if n not in read_later)) for members, saved in merged]
     return [Segment(k, members, saved, sum(nbytes(n) for n in saved)) for k, (members, saved) in enumerate(merged)]
 
 
