@@ -69,10 +69,6 @@ class RecomputePlan:
     def saved_bytes(self) -> int:
         return sum(s.saved_bytes for s in self.segments)
 
-    @property
-    def recomputed(self) -> tuple[str, ...]:
-        return tuple(name for s in self.segments for name in s.saved)
-
 
 @dataclasses.dataclass(frozen=True)
 class NoRecomputePlan:

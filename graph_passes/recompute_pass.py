@@ -10,6 +10,11 @@ checkpoint (the value at the cut), parameters, constants — and the kept output
 so recomputation gives bitwise the same values. Each clone carries provenance metadata
 (``ort_offload.pass`` = ``recompute``, ``ort_offload.recomputes`` = the original node).
 
+A saved value that another recomputed segment reads (a layer's output: the next segment's
+checkpoint) is not re-created: that segment's clones read the original, which so stays in
+memory until the backward anyway, and re-creating it would cost the layer's last product
+(bert small at length 256, every segment: 211 clones instead of 233, the same least budget).
+
 ``requires``: the plan's segments are forward nodes of this graph. ``ensures``: the graph is
 topologically sorted and no backward node reads a recomputed original.
 """
@@ -23,7 +28,7 @@ import onnx_ir as ir
 import onnx_ir.passes
 
 from graph_passes.liveness import check_topological, consumed_names
-from graph_passes.recompute import RANDOM_OPS, RecomputePlan, forward_nodes
+from graph_passes.recompute import RANDOM_OPS, RecomputePlan, Segment, forward_nodes
 from graph_passes.shapes import TensorInfo
 
 PASS_NAME = "recompute"
@@ -47,27 +52,39 @@ def write_recompute_plan(model: onnx.ModelProto, plan: RecomputePlan, *, loss_na
         if index not in forward:
             for name in node.input:
                 first_backward_reader.setdefault(name, index)
-    for segment in plan.segments:
-        produced_here = {o: i for i in segment.nodes for o in nodes[i].output if o}
+    produced_in = {segment.index: {o: i for i in segment.nodes for o in nodes[i].output if o}
+                   for segment in plan.segments}
 
-        def needed_for(name: str) -> set[int]:
-            """Nodes of the segment ``name`` depends on (random ops excluded: kept)."""
-            needed: set[int] = set()
-            stack = [produced_here[name]]
-            while stack:
-                index = stack.pop()
-                if index in needed or nodes[index].op_type in RANDOM_OPS:
-                    continue
-                needed.add(index)
-                stack.extend(produced_here[n] for n in consumed_names(nodes[index]) if n in produced_here)
-            return needed
+    def needed_for(segment: Segment, name: str) -> set[int]:
+        """Nodes of the segment ``name`` depends on (random ops excluded: kept)."""
+        produced_here = produced_in[segment.index]
+        needed: set[int] = set()
+        stack = [produced_here[name]]
+        while stack:
+            index = stack.pop()
+            if index in needed or nodes[index].op_type in RANDOM_OPS:
+                continue
+            needed.add(index)
+            stack.extend(produced_here[n] for n in consumed_names(nodes[index]) if n in produced_here)
+        return needed
+
+    # What each segment's clones read from outside it (its checkpoint): originals, kept.
+    checkpoint_of = {}
+    for segment in plan.segments:
+        cloned = set().union(*(needed_for(segment, n) for n in segment.saved))
+        checkpoint_of[segment.index] = {n for i in cloned for n in consumed_names(nodes[i])
+                                        if n not in produced_in[segment.index]}
+    for segment in plan.segments:
+        produced_here = produced_in[segment.index]
+        kept = set().union(*(names for index, names in checkpoint_of.items() if index != segment.index))
 
         # Each saved value is re-created just before its own first backward reader; clones an
         # earlier one already made are shared.
         emitted: set[int] = set()
-        for name in sorted((n for n in segment.saved if n in first_backward_reader), key=first_backward_reader.get):
+        for name in sorted((n for n in segment.saved if n in first_backward_reader and n not in kept),
+                           key=first_backward_reader.get):
             batch = inserts.setdefault(first_backward_reader[name], [])
-            for index in sorted(needed_for(name) - emitted):
+            for index in sorted(needed_for(segment, name) - emitted):
                 source = nodes[index]
                 node = onnx.NodeProto()
                 node.CopyFrom(source)
@@ -126,6 +143,15 @@ def recomputed_infos(infos: Mapping[str, TensorInfo], model: onnx.ModelProto) ->
     return out
 
 
+def recreated_values(model: onnx.ModelProto) -> set[str]:
+    """The saved values the graph re-creates: those whose clones nodes other than clones read
+    (the backward). A segment's saved values another recomputed segment reads as its
+    checkpoint are not among them, even where a clone chain computes them on the way."""
+    clones = {name for node in model.graph.node if _is_clone(node) for name in node.output if name}
+    return {name.rsplit("__rc", 1)[0] for node in model.graph.node if not _is_clone(node)
+            for name in node.input if name in clones}
+
+
 class RecomputePass(onnx_ir.passes.FunctionalPass):
     """Write ``plan`` (segments of this graph's forward) into the graph."""
 
@@ -149,7 +175,7 @@ class RecomputePass(onnx_ir.passes.FunctionalPass):
     def ensures(self, model: ir.Model) -> None:
         proto = ir.to_proto(model)
         forward = forward_nodes(proto, self.loss_name)
-        originals = set(self.plan.recomputed)
+        originals = recreated_values(proto)
         for index, node in enumerate(proto.graph.node):
             if index not in forward and not _is_clone(node):
                 bad = [n for n in node.input if n in originals]
@@ -157,4 +183,4 @@ class RecomputePass(onnx_ir.passes.FunctionalPass):
                     raise onnx_ir.passes.PostconditionError(f"backward node {node.name!r} still reads {bad[0]!r}")
 
 
-__all__ = ["RecomputePass", "clone_name", "recomputed_infos", "write_recompute_plan"]
+__all__ = ["RecomputePass", "clone_name", "recomputed_infos", "recreated_values", "write_recompute_plan"]

@@ -14,7 +14,7 @@ from graph_passes.liveness import check_topological
 from graph_passes.recompute import (
     RANDOM_OPS, NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_nodes, forward_segments,
 )
-from graph_passes.recompute_pass import PASS_KEY, SOURCE_KEY, recomputed_infos, write_recompute_plan
+from graph_passes.recompute_pass import PASS_KEY, SOURCE_KEY, recomputed_infos, recreated_values, write_recompute_plan
 from helpers import batches, step_graph_and_feeds, train_ort
 from models import get_model
 from ort_offload.errors import BudgetTooSmallError
@@ -56,10 +56,16 @@ def test_recomputed_graph_runs_in_stock_onnxruntime_with_the_same_numbers(name):
     assert len(clone_nodes) == clones and all(any(p.key == SOURCE_KEY for p in n.metadata_props) for n in clone_nodes)
     # No backward node reads a recomputed original any more.
     forward = forward_nodes(rewritten, graph.loss_name)
-    recomputed = {n for s in segments for n in s.saved}
+    recomputed = recreated_values(rewritten)
     for i, node in enumerate(rewritten.graph.node):
         if i not in forward and node not in clone_nodes:
             assert not recomputed & set(node.input), node.name
+    # A saved value not re-created is another segment's checkpoint: its clones read the original.
+    nodes = graph.model.graph.node
+    assert recomputed
+    for segment in segments:
+        for value in set(segment.saved) - recomputed:
+            assert any(value in nodes[i].input for other in segments if other is not segment for i in other.nodes)
     infos2 = recomputed_infos(infos, rewritten)
     assert all(infos2[o] == infos[o.rsplit("__rc", 1)[0]] for n in clone_nodes for o in n.output)
 

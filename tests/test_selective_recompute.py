@@ -11,7 +11,7 @@ import onnxruntime as ort
 from graph_passes.cost_model import AnalyticalCostModel
 from graph_passes.device_profiles import DeviceProfile
 from graph_passes.recompute import RecomputePlan, TRIVIAL_BYTES, forward_nodes, forward_segments
-from graph_passes.recompute_pass import PASS_KEY, write_recompute_plan
+from graph_passes.recompute_pass import PASS_KEY, recreated_values, write_recompute_plan
 from graph_passes.selective_recompute import MAX_COST_SHARE, selective_units
 from helpers import step_graph_and_feeds, train_ort
 from models import get_model
@@ -67,7 +67,8 @@ def test_a_graph_recomputing_the_units_runs_in_stock_onnxruntime_with_the_same_n
     rewritten, clones = write_recompute_plan(graph.model, RecomputePlan(tuple(units)), loss_name=graph.loss_name)
     assert clones == sum(len(u.nodes) for u in units)  # each unit clones its own closure, nothing more
     forward = forward_nodes(rewritten, graph.loss_name)
-    recomputed = {v for u in units for v in u.saved}
+    recomputed = recreated_values(rewritten)
+    assert recomputed == {v for u in units for v in u.saved}  # units read no other unit's values
     for i, node in enumerate(rewritten.graph.node):
         if i not in forward and not _is_clone(node):
             assert not recomputed & set(node.input), node.name
@@ -87,8 +88,8 @@ def test_a_graph_recomputing_the_units_runs_in_stock_onnxruntime_with_the_same_n
 
 def test_input_aware_plans_start_from_the_units_and_recompute_less():
     """bert small, budget 0.33 of the 256-long unplanned peak: at length 130 the plan holds
-    units and recomputes fewer nodes than the plan of whole segments alone; both within the
-    budget and bitwise equal to the unplanned run."""
+    units and fewer whole segments than the plan of whole segments alone, and its clones cost
+    less on the cost model; both within the budget and bitwise equal to the unplanned run."""
     spec = get_model("bert", "small")
     data = [spec.make_batch(seq=n, seed=k) for k, n in enumerate([256, 130])]
     reference = train_ort("bert", config="small", optimizer="adamw", steps=len(data), data=data)
@@ -96,12 +97,21 @@ def test_input_aware_plans_start_from_the_units_and_recompute_less():
     runs = {selective: train_ort("bert", config="small", optimizer="adamw", steps=len(data), data=data,
                                  budget=budget, passes="recompute", selective_recompute=selective)
             for selective in (True, False)}
-    selective, whole = (runs[s].trainer.runner.last_prepared for s in (True, False))
-    layers = len(runs[True].trainer.runner.recompute.segments(selective.infos))
-    cloned_for = {int(n.name.rsplit("__rc", 1)[1]) for n in selective.model.graph.node if _is_clone(n)}
-    assert any(k >= layers for k in cloned_for)  # units in the plan (their indices follow the segments')
-    assert 0 < selective.recomputed_nodes < whole.recomputed_nodes
-    assert not runs[False].trainer.runner.recompute.units(whole.infos)
+    layers = len(runs[True].trainer.runner.recompute.segments(runs[True].trainer.runner.last_prepared.infos))
+    cost_model = AnalyticalCostModel(CPU_LIKE)
+
+    def cloned(selective: bool):
+        """(segments whole, units, clone seconds on the cost model) of the plan at 130."""
+        prepared = runs[selective].trainer.runner.last_prepared
+        clones = [n for n in prepared.model.graph.node if _is_clone(n)]
+        owners = {int(n.name.rsplit("__rc", 1)[1]) for n in clones}
+        return (len([k for k in owners if k < layers]), len([k for k in owners if k >= layers]),
+                sum(cost_model.node_time(n, prepared.infos) for n in clones))
+
+    (whole_with_units, units, seconds), (whole_alone, no_units, seconds_alone) = cloned(True), cloned(False)
+    assert units > 0 and no_units == 0
+    assert whole_with_units < whole_alone and seconds < seconds_alone
+    assert not runs[False].trainer.runner.recompute.units(runs[False].trainer.runner.last_prepared.infos)
     for run in runs.values():
         assert run.trainer.report()["peak_device_bytes"] <= budget
         assert run.losses == reference.losses
