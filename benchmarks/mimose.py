@@ -12,7 +12,11 @@ idle pause after each) so machine noise hits all alike:
 - **static**: ``recompute_policy="static"``: the recompute plan made for the first (longest)
   batch serves every length (the Sublinear-style baseline Mimose compares against);
 - **input-aware**: ``recompute_policy="input_aware"``: per length bucket, a plan for that size
-  (``ort_offload.recompute_planning``; plans from the fitted estimator once it has its sizes).
+  (``ort_offload.recompute_planning``; plans from the fitted estimator once it has its sizes),
+  starting from the segments' cheap units (selective recomputation);
+- with ``--whole-segments``, a fourth, **whole_segments**: input-aware with
+  ``selective_recompute=False``, whole segments only, as Mimose's rule plans (what the
+  selective units add, measured in the same run).
 
 Both planned trainers get the same budget: ``budget_fraction`` of the unplanned peak at the
 longest length. Per trainer: run time per step (median and total; the step without the
@@ -65,6 +69,7 @@ TARGET_SPEEDUP = 1.10
 TARGET_PLAN_S = 1e-3
 TARGET_ESTIMATOR_ERROR = 0.01
 ROWS = ("unplanned", "static", "input_aware")
+WHOLE_SEGMENTS = "whole_segments"  # the optional row: input-aware without selective units
 SIMULATED_PROFILES = ("V100-16GB-PCIe3", "H100")
 
 
@@ -94,10 +99,11 @@ def lengths_for(steps: int, seed: int) -> list[int]:
     return [MAX_LENGTH] + [rng.randint(MIN_LENGTH, MAX_LENGTH) for _ in range(steps - 1)]
 
 
-def _trainer(spec, data, cache_dir: str, *, budget, policy: str = "input_aware"):
+def _trainer(spec, data, cache_dir: str, *, budget, policy: str = "input_aware", selective: bool = True):
     import ort_offload
 
-    device = ort_offload.set_offload_device("cpu", budget=budget, recompute_policy=policy)
+    device = ort_offload.set_offload_device("cpu", budget=budget, recompute_policy=policy,
+                                            selective_recompute=selective)
     return ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=list(spec.input_names), target_names=list(spec.target_names), dynamic_axes=spec.dynamic_axes,
@@ -106,8 +112,9 @@ def _trainer(spec, data, cache_dir: str, *, budget, policy: str = "input_aware")
     )
 
 
-def measure_epoch(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
-    """The three trainers over one variable-length epoch."""
+def measure_epoch(settings: Settings, *, log: Callable[[str], None], whole_segments: bool = False) -> dict[str, Any]:
+    """The three trainers (four with ``whole_segments``) over one variable-length epoch."""
+    row_names = (*ROWS, WHOLE_SEGMENTS) if whole_segments else ROWS
     from models import get_model
 
     spec = get_model("bert", settings.config)
@@ -120,13 +127,17 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None]) -> dict[str
         budget = int(settings.budget_fraction * longest_peak)
         log(f"unplanned peak at length {MAX_LENGTH}: {longest_peak / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB")
         trainers = {"unplanned": (unplanned, create_s)}
-        for row, policy in (("static", "static"), ("input_aware", "input_aware")):
-            trainers[row] = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=budget, policy=policy))
+        planned = [("static", "static", True), ("input_aware", "input_aware", True)]
+        if whole_segments:
+            planned.append((WHOLE_SEGMENTS, "input_aware", False))
+        for row, policy, selective in planned:
+            trainers[row] = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=budget, policy=policy,
+                                                         selective=selective))
         simulate = _StepSimulator()
-        per_step: dict[str, list[dict]] = {row: [] for row in ROWS}
-        losses: dict[str, list[float]] = {row: [] for row in ROWS}
+        per_step: dict[str, list[dict]] = {row: [] for row in row_names}
+        losses: dict[str, list[float]] = {row: [] for row in row_names}
         for k, (inputs, targets) in enumerate(data):
-            for row in ROWS:
+            for row in row_names:
                 trainer = trainers[row][0]
                 before = trainer.runtime.stats.plan_time_s
                 plans_before = trainer.runner.recompute.stats.plans
@@ -145,7 +156,7 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None]) -> dict[str
                 log(f"step {k + 1}/{settings.steps}")
         reference_state = unplanned.state_dict()
         rows = []
-        for row in ROWS:
+        for row in row_names:
             trainer, create_s = trainers[row]
             steps = per_step[row]
             report = trainer.report()
@@ -173,6 +184,14 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None]) -> dict[str
         del trainers, unplanned
         gc.collect()
     by_row = {r["row"]: r for r in rows}
+    whole = {}
+    if whole_segments:
+        whole = {
+            "speedup_epoch_whole_segments": by_row["static"]["epoch_s"] / by_row[WHOLE_SEGMENTS]["epoch_s"],
+            # what the selective units gain over whole segments alone, epoch and run time
+            "selective_speedup_epoch": by_row[WHOLE_SEGMENTS]["epoch_s"] / by_row["input_aware"]["epoch_s"],
+            "selective_speedup_run": by_row[WHOLE_SEGMENTS]["run_s_total"] / by_row["input_aware"]["run_s_total"],
+        }
     return {
         "model": f"bert-{settings.config}", "batch": spec.default_batch, "lengths": lengths,
         "longest_unplanned_peak_bytes": longest_peak, "budget_bytes": budget, "rows": rows,
@@ -184,6 +203,7 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None]) -> dict[str
         # over the steps where neither planned trainer made a new plan (no session creation)
         "speedup_run_existing_plans": _sum_where_neither_planned(by_row, "static") /
         _sum_where_neither_planned(by_row, "input_aware"),
+        **whole,
     }
 
 
@@ -215,7 +235,7 @@ def _simulated_epochs(by_row: dict) -> dict[str, dict[str, float]]:
     unplanned (the ceiling)."""
     result = {}
     for name in SIMULATED_PROFILES:
-        totals = {row: sum(step["simulated_s"][name] for step in by_row[row]["per_step"]) for row in ROWS}
+        totals = {row: sum(step["simulated_s"][name] for step in by_row[row]["per_step"]) for row in by_row}
         result[name] = {"epoch_s": totals, "speedup_epoch": totals["static"] / totals["input_aware"],
                         "speedup_ceiling_epoch": totals["static"] / totals["unplanned"]}
     return result
@@ -265,13 +285,13 @@ def measure_plan_time(settings: Settings, *, log: Callable[[str], None]) -> dict
     }
 
 
-def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
+def run(settings: Settings, *, log: Callable[[str], None], whole_segments: bool = False) -> dict[str, Any]:
     import onnxruntime
     import torch
 
     onnxruntime.set_default_logger_severity(3)
     started = time.perf_counter()
-    epoch = measure_epoch(settings, log=log)
+    epoch = measure_epoch(settings, log=log, whole_segments=whole_segments)
     plan = measure_plan_time(settings, log=log)
     aware = next(r for r in epoch["rows"] if r["row"] == "input_aware")
     errors = [e["max"] for e in aware["recompute"]["estimator_error_per_layer"]] + \
@@ -327,6 +347,10 @@ def print_table(result: dict[str, Any], console) -> None:
     console.print(f"static / input-aware: epoch {epoch['speedup_epoch']:.2f}x, run only {epoch['speedup_run']:.2f}x, "
                   f"run on steps where neither made a new plan {epoch['speedup_run_existing_plans']:.2f}x; "
                   f"ceiling (static / unplanned, nothing recomputed) {epoch['speedup_ceiling_epoch']:.2f}x")
+    if "selective_speedup_epoch" in epoch:
+        console.print(f"whole segments only (Mimose's rule) / input-aware: epoch {epoch['selective_speedup_epoch']:.2f}x, "
+                      f"run {epoch['selective_speedup_run']:.2f}x; static / whole segments: epoch "
+                      f"{epoch['speedup_epoch_whole_segments']:.2f}x")
     for name, sim in epoch["simulated"].items():
         console.print(f"simulated on {name} (the same programs, roofline kernels): epoch static "
                       f"{sim['epoch_s']['static']:.2f} s, input-aware {sim['epoch_s']['input_aware']:.2f} s, "
@@ -363,6 +387,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-fraction", type=float, default=None,
                         help="the planned trainers' budget as a fraction of the unplanned peak at the longest "
                              f"length (default {FULL.budget_fraction}, {QUICK.budget_fraction} with --quick)")
+    parser.add_argument("--whole-segments", action="store_true",
+                        help="a fourth trainer: input-aware with whole segments only (no selective units)")
     return parser.parse_args(argv)
 
 
@@ -379,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = dataclasses.replace(settings, budget_fraction=args.budget_fraction)
     return bench.run_main(
         module="benchmarks.mimose", result_file=RESULT_FILE, argv=argv, out=args.out, table_width=TABLE_WIDTH,
-        measure=lambda log: run(settings, log=log), print_table=print_table,
+        measure=lambda log: run(settings, log=log, whole_segments=args.whole_segments), print_table=print_table,
     )
 
 

@@ -19,7 +19,7 @@ TIMEOUT_S = 600  # the quick run takes ~2 min on 2 cores; the bound only stops a
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mimose")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mimose", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.mimose", "--quick", "--whole-segments", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -34,14 +34,14 @@ def test_writes_the_result_and_prints_the_table(quick_run):
     assert "benchmarks.mimose" in result["command"]
 
 
-def test_three_plans_on_the_same_epoch_within_budget_and_bitwise(quick_run):
+def test_the_plans_run_the_same_epoch_within_budget_and_bitwise(quick_run):
     _, _, result = quick_run
     epoch = result["epoch"]
     rows = {r["row"]: r for r in epoch["rows"]}
-    assert list(rows) == ["unplanned", "static", "input_aware"]
+    assert list(rows) == ["unplanned", "static", "input_aware", "whole_segments"]
     lengths = epoch["lengths"]
     assert lengths[0] == max(lengths) == 256 and min(lengths) >= 16
-    for name in ("static", "input_aware"):
+    for name in ("static", "input_aware", "whole_segments"):
         row = rows[name]
         assert row["budget_bytes"] == epoch["budget_bytes"] < epoch["longest_unplanned_peak_bytes"]
         assert row["within_budget"] and row["peak_device_bytes"] <= row["budget_bytes"]
@@ -58,6 +58,12 @@ def test_three_plans_on_the_same_epoch_within_budget_and_bitwise(quick_run):
     assert epoch["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
     assert epoch["speedup_run_existing_plans"] > 0
     assert epoch["speedup_ceiling_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["unplanned"]["epoch_s"])
+    # --whole-segments: the same input-aware rule without the selective units
+    assert rows["whole_segments"]["recompute"]["policy"] == "input_aware"
+    assert epoch["selective_speedup_epoch"] == pytest.approx(
+        rows["whole_segments"]["epoch_s"] / rows["input_aware"]["epoch_s"])
+    assert epoch["speedup_epoch_whole_segments"] == pytest.approx(
+        rows["static"]["epoch_s"] / rows["whole_segments"]["epoch_s"])
 
 
 def test_simulated_epochs_replay_each_trainers_programs(quick_run):
