@@ -131,15 +131,19 @@ def _with_inputs(node: onnx.NodeProto, renamed: Mapping[str, str]) -> onnx.NodeP
     return copy
 
 
-def recomputed_infos(infos: Mapping[str, TensorInfo], model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """``infos`` plus the clones' values (a clone has its original's type and shape)."""
+def clone_sources(model: onnx.ModelProto) -> dict[str, str]:
+    """Each clone's output -> the original value it re-creates."""
+    return {name: name.rsplit("__rc", 1)[0] for node in model.graph.node if _is_clone(node)
+            for name in node.output if name}
+
+
+def recomputed_infos(infos: Mapping[str, TensorInfo], model: onnx.ModelProto, *,
+                     sources: Mapping[str, str] | None = None) -> dict[str, TensorInfo]:
+    """``infos`` plus the clones' values (a clone has its original's type and shape).
+    ``sources``: :func:`clone_sources` of ``model``, for a caller that has it already."""
     out = dict(infos)
-    for node in model.graph.node:
-        if _is_clone(node):
-            for name in node.output:
-                if name and name not in out:
-                    original = name.rsplit("__rc", 1)[0]
-                    out[name] = infos[original]
+    for name, original in (clone_sources(model) if sources is None else sources).items():
+        out.setdefault(name, infos[original])
     return out
 
 
@@ -183,4 +187,4 @@ class RecomputePass(onnx_ir.passes.FunctionalPass):
                     raise onnx_ir.passes.PostconditionError(f"backward node {node.name!r} still reads {bad[0]!r}")
 
 
-__all__ = ["RecomputePass", "clone_name", "recomputed_infos", "recreated_values", "write_recompute_plan"]
+__all__ = ["RecomputePass", "clone_name", "clone_sources", "recomputed_infos", "recreated_values", "write_recompute_plan"]

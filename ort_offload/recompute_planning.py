@@ -50,7 +50,7 @@ from graph_passes.memory import simulate_program
 from graph_passes.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.program import Program, order_dependent_last
 from graph_passes.recompute import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
-from graph_passes.recompute_pass import recomputed_infos, write_recompute_plan
+from graph_passes.recompute_pass import clone_sources, recomputed_infos, write_recompute_plan
 from graph_passes.selective_recompute import selective_units
 from ort_offload.budget import format_bytes
 from ort_offload.device import RECOMPUTE_POLICIES
@@ -107,6 +107,7 @@ class RecomputePlanning:
         self._layout: list[tuple[tuple[int, ...], tuple[str, ...]]] | None = None  # segments' nodes, saved values
         self._unit_layout: list[tuple[tuple[int, ...], tuple[str, ...], int]] | None = None  # ... and segment
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
+        self._clone_sources: dict[tuple[int, ...], dict[str, str]] = {}  # ... -> clone output -> original
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
         self._made: dict[int, CachedPlan] = {}  # input size -> the plan made there
@@ -154,7 +155,13 @@ class RecomputePlanning:
             plan = RecomputePlan(tuple(segments[k] for k in key))
             model, clones = write_recompute_plan(self.runner.model, plan, loss_name=self.runner.graph.loss_name)
             self._rewritten[key] = (model, order_dependent_last(model), clones)
+            self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]
+
+    def infos_for(self, key: tuple[int, ...], segments: list[Segment], infos) -> dict:
+        """``infos`` with the clones of the graph :meth:`rewrite` gives for ``key``."""
+        model = self.rewrite(key, segments)[0]
+        return recomputed_infos(infos, model, sources=self._clone_sources[key])
 
     # ---- planning ---------------------------------------------------------------------------
 
@@ -170,7 +177,7 @@ class RecomputePlanning:
             return None
         segments = self.recomputables(infos)
         model, schedule, clones = self.rewrite(cached.segments, segments)
-        model_infos = recomputed_infos(infos, model)
+        model_infos = self.infos_for(cached.segments, segments, infos)
         program, trace = self._lowered_with_cuts(model, schedule, model_infos, cached.cuts)
         if trace.min_budget_bytes > budget:
             logger.info("cached recompute plan (%d segments) needs %s at input size %d, over the budget: "
@@ -241,7 +248,7 @@ class RecomputePlanning:
 
         def model_infos(key):
             if key not in model_infos_of:
-                model_infos_of[key] = recomputed_infos(infos, self.rewrite(key, segments)[0])
+                model_infos_of[key] = self.infos_for(key, segments, infos)
             return model_infos_of[key]
 
         def lowered(key, finest: bool):
