@@ -201,6 +201,7 @@ class GraphRunner:
         self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
         self.step_times_s: list[float] = []
         self.declared_inputs = shapes.declared_inputs(self.model)
+        self.infer_infos = shapes.ShapeInference(self.model)  # per new signature
 
     # ---- planning --------------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class GraphRunner:
         """What ``prepare`` does for a signature not seen before."""
         if callable(probe_feeds):
             probe_feeds = probe_feeds()
-        infos = shapes.infer_tensor_infos(self.model, input_infos, probe_feeds=probe_feeds)
+        infos = self.infer_infos(input_infos, probe_feeds=probe_feeds)
         budget = None
         needed = None
         chosen = None

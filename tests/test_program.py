@@ -14,7 +14,7 @@ from graph_passes.liveness import lifetimes
 from graph_passes.memory import simulate_program
 from graph_passes.program import Commit, Fetch, Load, RunBlock, lower, partition
 from graph_passes.training_graph import Role, TrainingGraph
-from helpers import chain_body
+from helpers import batches, chain_body, step_graph_and_feeds
 from ort_offload.device import set_offload_device
 from ort_offload.runtime import GraphRunner, Runtime
 
@@ -153,6 +153,30 @@ def test_inferred_infos_share_one_object_per_shape():
     assert other["w1"] is first["w1"]
 
 
+def test_shape_inference_pins_what_the_last_signature_needed_first_with_the_same_infos(monkeypatch):
+    # bert's Reshape targets are computed from the sequence length: inference stops at them
+    # until their integer inputs are pinned. At a second length they are pinned up front.
+    graph, feeds, _ = step_graph_and_feeds("bert")
+    model = graph.model
+    rounds = []
+    infer_shapes = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda *a, **k: rounds.append(1) or infer_shapes(*a, **k))
+    inference = shapes.ShapeInference(model)
+    counts = []
+    for seq in (32, 48):
+        (inputs, targets), = batches("bert", 1, seq_lengths=[seq])
+        signature = dict(feeds, **{n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
+        input_infos = shapes.check_inputs(model, signature)
+        rounds.clear()
+        expected = shapes.infer_tensor_infos(model, input_infos)
+        plain = len(rounds)
+        rounds.clear()
+        assert inference(input_infos) == expected
+        counts.append((plain, len(rounds)))
+    assert inference.pin_first
+    assert counts[0][0] == counts[0][1] >= 2 and counts[1] == (counts[0][0], counts[0][0] - 1)
+
+
 def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     # Preparing makes many short-lived objects; with the collector on they trigger full passes
     # over every object in the process. Off while preparing, back to how it was afterwards,
@@ -162,13 +186,13 @@ def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     g = step_graph()
     runner = GraphRunner(Runtime(set_offload_device("cpu")), g, fetches=["loss"])
     seen = []
-    infer = shapes.infer_tensor_infos
+    infer = runner.infer_infos
 
     def recording(*args, **kwargs):
         seen.append(gc.isenabled())
         return infer(*args, **kwargs)
 
-    monkeypatch.setattr(shapes, "infer_tensor_infos", recording)
+    monkeypatch.setattr(runner, "infer_infos", recording)
     assert gc.isenabled()
     runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
     runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
@@ -183,7 +207,7 @@ def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("shape inference failed")
 
-    monkeypatch.setattr(shapes, "infer_tensor_infos", failing)
+    monkeypatch.setattr(runner, "infer_infos", failing)
     with pytest.raises(RuntimeError):
         runner.prepare(shapes.check_inputs(g.model, feeds(batch=7)))
     assert gc.isenabled()
