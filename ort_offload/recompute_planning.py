@@ -16,7 +16,10 @@ whose unplanned graph does not fit:
    the rule runs on predicted bytes alone (sub-millisecond: the plan time reported), each
    segment credited with the share of its saved bytes that earlier plans actually took off the
    least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
-   estimate fell short, the rule continues with measured excess.
+   estimate fell short, the rule continues with measured excess. Every such plan starts from
+   the segments' selective units (:mod:`graph_passes.selective_recompute`: their cheap saved
+   values, indexed after the segments), and the rule counts each segment for what its units
+   do not free; where the chosen segments fit without the units, the units are dropped.
 3. Only if recomputing every segment does not fit in the largest blocks (known without a replay
    where it did not at input dimensions no larger, under a budget no smaller): the bucket rule
    with single-node blocks; that plan and every segment recomputed each get a block layout their
