@@ -75,8 +75,13 @@ def test_one_step_in_stock_onnxruntime_equals_torch(config):
     loss.backward()
     opt.step()
     assert out["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    # AdamW's first update is lr * g / (|g| + eps): where a gradient element nearly cancels
+    # (|g| ~ 1e-5), a float32 summation-order difference between the two runtimes moves it by
+    # up to ~1e-3 of lr (seen: 2.7e-6 at lr 1e-2 on one element of 4096 on this session's AMD EPYC,
+    # at the session's starting commit too; CI on an earlier machine passed)
+    atol = 1e-3 * config.lr if isinstance(config, optimizers.AdamW) else 1e-7
     for name, p in spec.model.named_parameters():
-        np.testing.assert_allclose(out[f"{name}.updated"], p.detach().numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(out[f"{name}.updated"], p.detach().numpy(), rtol=1e-5, atol=atol)
 
 
 def test_dynamic_batch_and_sequence_axes_serve_every_size():
