@@ -144,6 +144,30 @@ def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *,
     return [Segment(k, members, saved, sum(nbytes(n) for n in saved)) for k, (members, saved) in enumerate(merged)]
 
 
+def segment_closure(name: str, produced_here: Mapping[str, int], nodes, *, stop=frozenset()) -> tuple[set[int], set[str]]:
+    """(node indices, values it stopped at): the nodes ``produced_here`` (a segment's values
+    -> their producers) that ``name`` depends on, walking back until a value the segment does
+    not produce, a random op's output (kept, so a recomputation replays the same mask) or a
+    value in ``stop``."""
+    members: set[int] = set()
+    stopped: set[str] = set()
+    stack = [produced_here[name]]
+    while stack:
+        index = stack.pop()
+        if index in members:
+            continue
+        members.add(index)
+        for value in consumed_names(nodes[index]):
+            source = produced_here.get(value)
+            if source is None or nodes[source].op_type in RANDOM_OPS:
+                continue
+            if value in stop:
+                stopped.add(value)
+                continue
+            stack.append(source)
+    return members, stopped
+
+
 class RecomputePlanner:
     """Greedy segment choice under a budget (Mimose's bucket rule,
     :func:`graph_passes.mimose.bucket_choice`), checked by ``needed_bytes``: a function from a
@@ -174,5 +198,5 @@ class RecomputePlanner:
 
 __all__ = [
     "NoRecomputePlan", "RANDOM_OPS", "RecomputePlan", "RecomputePlanner", "Segment", "forward_nodes",
-    "forward_segments",
+    "forward_segments", "segment_closure",
 ]

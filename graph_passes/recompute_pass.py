@@ -28,7 +28,7 @@ import onnx_ir as ir
 import onnx_ir.passes
 
 from graph_passes.liveness import check_topological, consumed_names
-from graph_passes.recompute import RANDOM_OPS, RecomputePlan, Segment, forward_nodes
+from graph_passes.recompute import RANDOM_OPS, RecomputePlan, Segment, forward_nodes, segment_closure
 from graph_passes.shapes import TensorInfo
 
 PASS_NAME = "recompute"
@@ -57,18 +57,10 @@ def write_recompute_plan(model: onnx.ModelProto, plan: RecomputePlan, *, loss_na
 
     def needed_for(segment: Segment, name: str) -> set[int]:
         """Nodes of the segment ``name`` depends on (random ops excluded: kept)."""
-        produced_here = produced_in[segment.index]
-        needed: set[int] = set()
-        stack = [produced_here[name]]
-        while stack:
-            index = stack.pop()
-            if index in needed or nodes[index].op_type in RANDOM_OPS:
-                continue
-            needed.add(index)
-            stack.extend(produced_here[n] for n in consumed_names(nodes[index]) if n in produced_here)
-        return needed
+        return segment_closure(name, produced_in[segment.index], nodes)[0]
 
-    # What each segment's clones read from outside it (its checkpoint): originals, kept.
+    # What each segment's clones read from outside it (its checkpoint): originals, kept. (Taken
+    # over all its saved values: a value it does not re-create may count, and stay, needlessly.)
     checkpoint_of = {}
     for segment in plan.segments:
         cloned = set().union(*(needed_for(segment, n) for n in segment.saved))

@@ -2,11 +2,14 @@
 segment's other saved values.
 
 Recomputing a whole segment (:mod:`graph_passes.recompute`) re-runs every node from its
-checkpoint, its matrix products included. Some saved values cost far less per byte: a
-transformer layer's attention probabilities (batch × heads × length², from the saved queries
-and keys by one small product, a mask and a softmax) or its GELU output (from the saved
-pre-activation by one elementwise op). Korthikanti et al. ("Reducing Activation Recomputation in
-Large Transformer Models", 2022) recompute exactly those; here they are found from the graph:
+checkpoint, its matrix products included. Some saved values cost far less per byte to
+re-create on their own: a transformer layer's GELU output (from the saved pre-activation by one
+elementwise op), its layer-norm outputs, the copies a Reshape makes. Korthikanti et al.
+("Reducing Activation Recomputation in Large Transformer Models", 2022) apply the same idea to
+the attention probabilities, chosen by hand for the GPU; here candidates are found from the
+graph and kept by their cost on the planning profile (on the CPU profile the attention
+probabilities, with their product and masking, cost about what the whole layer does per byte,
+and are not kept):
 
 - the **closure** of a saved value: the segment's nodes it depends on, walking back until a
   value the segment does not produce, another saved value of the segment (kept in memory
@@ -30,8 +33,7 @@ from typing import Mapping, Sequence
 import onnx
 
 from graph_passes.cost_model import CostModel
-from graph_passes.liveness import consumed_names
-from graph_passes.recompute import RANDOM_OPS, TRIVIAL_BYTES, Segment
+from graph_passes.recompute import TRIVIAL_BYTES, Segment, segment_closure
 from graph_passes.shapes import TensorInfo
 
 # A value is worth recomputing on its own where that costs at most this share, per byte
@@ -70,7 +72,7 @@ def _segment_units(segment: Segment, nodes, infos, cost_model) -> list[tuple[tup
         info = infos.get(value)
         if info is None or info.nbytes <= TRIVIAL_BYTES:
             continue
-        members, reads = _closure(value, producer, saved, nodes)
+        members, reads = segment_closure(value, producer, nodes, stop=saved - {value})
         if sum(time_of[i] for i in members) <= MAX_COST_SHARE * per_byte * info.nbytes:
             closures[value] = (members, reads)
     if not closures:
@@ -100,28 +102,6 @@ def _segment_units(segment: Segment, nodes, infos, cost_model) -> list[tuple[tup
         members = sorted(set().union(*(closures[v][0] for v in values)))
         units.append((tuple(values), tuple(members)))
     return units
-
-
-def _closure(value: str, producer: Mapping[str, int], saved: set[str], nodes) -> tuple[set[int], set[str]]:
-    """The segment nodes ``value`` depends on, stopping at other saved values, values from
-    outside the segment and random outputs; and the saved values it reads."""
-    members: set[int] = set()
-    reads: set[str] = set()
-    stack = [producer[value]]
-    while stack:
-        index = stack.pop()
-        if index in members:
-            continue
-        members.add(index)
-        for name in consumed_names(nodes[index]):
-            source = producer.get(name)
-            if source is None or nodes[source].op_type in RANDOM_OPS:
-                continue
-            if name in saved and name != value:
-                reads.add(name)
-                continue
-            stack.append(source)
-    return members, reads
 
 
 __all__ = ["MAX_COST_SHARE", "selective_units"]
