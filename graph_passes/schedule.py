@@ -112,6 +112,40 @@ def updates_early(
     return result if result != order else None
 
 
+def updates_start(
+    model: onnx.ModelProto, spine: Iterable[str], updated: Iterable[str], schedule: Sequence[int] | None = None
+) -> int | None:
+    """The position in ``schedule`` (default: node order) where the state updates begin, if they
+    trail the backward: no value of ``spine`` (:func:`training_spine`) depends on a node from
+    there on, and every ``updated`` value is made there. Order-dependent nodes (and what reads
+    them), which :func:`~graph_passes.program.order_dependent_last` puts at the end, do not
+    count. ``None`` where the updates are interleaved with the backward (an
+    :func:`updates_early` schedule) or nothing trails it.
+
+    A block cut there keeps the new state out of the backward's block: a block's outputs are
+    allocated when it starts, so in one block holding both, the updated parameters and moments
+    take arena room while every activation of the step is live (see the runtime's
+    ``lower_updates_apart``)."""
+    nodes = list(model.graph.node)
+    order = list(range(len(nodes))) if schedule is None else list(schedule)
+    producer = {name: index for index, node in enumerate(nodes) for name in node.output if name}
+    keep = ancestor_nodes(nodes, list(spine), producer)
+    tainted: set[str] = set()
+    tail = len(order)  # the order-dependent tail starts at its first node
+    for position, index in enumerate(order):
+        node = nodes[index]
+        if is_order_dependent(node) or any(name in tainted for name in consumed_names(node)):
+            tainted.update(o for o in node.output if o)
+            tail = min(tail, position)
+    start = 1 + max((p for p in range(tail) if order[p] in keep), default=-1)
+    if start >= tail:
+        return None
+    updated = set(updated)
+    if any(name in updated for p in range(start) for name in nodes[order[p]].output):
+        return None
+    return start
+
+
 def training_spine(roles: Mapping[str, object], state_pairs: Mapping[str, str], outputs: Iterable[str]) -> list[str] | None:
     """The values a training step's order is built around: every graph output that is not
     updated state (the loss, fetches) and every gradient (values with role ``grad``); ``None``
@@ -131,4 +165,4 @@ def _done(remaining: dict[int, int], index: int) -> bool:
     return remaining[index] == 0
 
 
-__all__ = ["training_spine", "updates_early"]
+__all__ = ["training_spine", "updates_early", "updates_start"]

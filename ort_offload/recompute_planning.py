@@ -11,7 +11,9 @@ whose unplanned graph does not fit:
    bucket) is checked for this size: the graph it rewrites, lowered with the same block
    boundaries, replayed through the arena. If it fits, it is used (a reuse, no planning).
 2. **New plan**, first with the graph in its largest blocks (on this CPU a block cut costs more
-   than recomputation): while the estimator is fitting (the first sizes), the bucket rule runs
+   than recomputation), the state updates in a block of their own where they trail the
+   backward (:meth:`~ort_offload.runtime.GraphRunner.lower_updates_apart`: the runner tries
+   that cut alone before planning; a plan's new state then never meets its activations): while the estimator is fitting (the first sizes), the bucket rule runs
    with the excess measured by a memory replay after every choice (exact, seconds). Once fitted,
    the rule runs on predicted bytes alone (sub-millisecond: the plan time reported), each
    segment credited with the share of its saved bytes that earlier plans actually took off the
@@ -141,6 +143,11 @@ class RecomputePlanning:
         return [Segment(len(segments) + k, nodes, saved, sum(infos[n].nbytes for n in saved if n in infos), within)
                 for k, (nodes, saved, within) in enumerate(self._unit_layout)]
 
+    @property
+    def collecting(self) -> bool:
+        """Whether the estimator still collects samples (:meth:`observe` takes the need)."""
+        return self.estimator is None or not self.estimator.ready
+
     def recomputables(self, infos) -> list[Segment]:
         """Segments and then units: what a plan's indices (and :meth:`rewrite`'s keys) index."""
         return self.segments(infos) + self.units(infos)
@@ -218,17 +225,20 @@ class RecomputePlanning:
     def observe(self, infos, unplanned_need: int) -> None:
         """Feed a new input size to the estimator (the runner calls this once per signature):
         the layers' saved bytes, exact from shapes, and the least budget of the unplanned
-        graph in its largest blocks (``unplanned_need``, from the runner's first replay), as
+        graph in the largest blocks plans start from (``unplanned_need``, from the runner's
+        replays: the state updates cut off where that needs less), as
         Mimose's collector does for the first sizes. Once fitted, the estimator only records
         its error here."""
         segments = self.segments(infos)
         size = input_size(infos, self.runner.graph.data_inputs)
         self.estimator.observe(size, [s.saved_bytes for s in segments], None if self.estimator.ready else unplanned_need)
 
-    def plan(self, infos, budget: int, programs: list[Program], needed: int):
+    def plan(self, infos, budget: int, programs: list[Program], needed: int, *, unrecomputed=None):
         """Recompute forward segments until the graph fits ``budget`` (or, with swap also
         allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
         None, clone count, least budget); ``chosen`` is what ``GraphRunner.prepare`` takes.
+        ``unrecomputed``: (program, memory trace) of the graph with nothing recomputed in the
+        largest blocks as plans lower them, where the caller has it.
 
         First in the largest blocks (what runs fastest here: every cut costs more than the
         recomputation it saves, see the README): the bucket rule picks segments until the
@@ -255,33 +265,40 @@ class RecomputePlanning:
             return model_infos_of[key]
 
         def lowered(key, finest: bool):
-            """(program, memory trace) of these segments recomputed, in the largest blocks or
-            in single-node blocks (the least budget any block size gives)."""
+            """(program, memory trace) of these segments recomputed, in the largest blocks (the
+            state updates cut off where they trail the backward) or in single-node blocks (the
+            least budget any block size gives)."""
             if (key, finest) not in traced:
                 model, schedule, _ = self.rewrite(key, segments)
-                blocks = (runner.runtime.device.max_block_nodes or 1) if finest else None
-                program = (runner.lower_program(model, model_infos(key), schedule, max_block_nodes=blocks) if finest
-                           else next(iter(runner.lowerings(model, model_infos(key), schedule))))
+                if finest:
+                    blocks = runner.runtime.device.max_block_nodes or 1
+                    program = runner.lower_program(model, model_infos(key), schedule, max_block_nodes=blocks)
+                else:
+                    program = (runner.lower_updates_apart(model, model_infos(key), schedule)
+                               or next(iter(runner.lowerings(model, model_infos(key), schedule))))
                 traced[(key, finest)] = (program, simulate_program(program, model_infos(key), alignment=alignment))
             return traced[(key, finest)]
 
         def need(finest: bool):
             return lambda plan: lowered(self.key_of(plan), finest)[1].min_budget_bytes
 
-        if programs and runner.baseline_trace is not None:
-            # Nothing recomputed, in the largest blocks: the unplanned program prepare lowered
-            # and replayed already (an empty plan rewrites no node).
+        if unrecomputed is not None:  # an empty plan rewrites no node
             model_infos_of[()] = infos
-            traced[((), False)] = (programs[0], runner.baseline_trace)
+            traced[((), False)] = unrecomputed
 
         self.stats.plans += 1
         start_time = time.perf_counter()
-        first: tuple[int, ...] = ()
         if self.estimator.ready:
-            credit = self.credit()
-            excess = self.estimator.predict_need(size) - budget - credit * sum(unit_bytes)
-            first = plan_from_estimates([credit * (b - u) for b, u in zip(self.estimator.predict_layers(size), unit_bytes)],
-                                        excess)
+            layer_bytes, need_bytes = self.estimator.predict_layers(size), self.estimator.predict_need(size)
+        else:
+            # While the estimator collects its sizes: this size's own bytes, exact from shapes,
+            # and the unplanned need just replayed. The rule then starts near the plan instead
+            # of replaying its way there one segment at a time (~0.5 s at the first sizes).
+            layer_bytes, need_bytes = [s.saved_bytes for s in layers], needed
+        credit = self.credit()
+        first = plan_from_estimates([credit * (b - u) for b, u in zip(layer_bytes, unit_bytes)],
+                                    need_bytes - budget - credit * sum(unit_bytes))
+        if self.estimator.ready:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1

@@ -32,7 +32,7 @@ from graph_passes.recompute_pass import recomputed_infos
 from graph_passes.split_pass import Cut, write_split_plan
 from graph_passes.split_planner import Bottleneck, JointPlanner, split_node_count
 from graph_passes.shapes import TensorInfo
-from graph_passes.schedule import training_spine, updates_early
+from graph_passes.schedule import training_spine, updates_early, updates_start
 from graph_passes.swap_nodes import canonicalize, has_swap_nodes
 from graph_passes.simulator import simulate_time
 from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
@@ -190,6 +190,7 @@ class GraphRunner:
         self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy,
                                            selective=runtime.device.selective_recompute)
         self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
+        self._updates_cut_of: dict[int, tuple[onnx.ModelProto, int | None]] = {}  # id(model) -> (model, cut)
         self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
         self.last_segment_costs: list = []  # graph_passes.offload_choice.SegmentCost of that choice
         self.fetches = fetches
@@ -242,6 +243,8 @@ class GraphRunner:
         chosen = None
         programs = []
         model, recomputed = self.model, 0
+        updates_apart = False  # chosen: the largest blocks with the state updates cut off
+        unrecomputed = None
         recompute_allowed = "recompute" in self.passes and bool(self.graph.loss_name)
         for program in self.lowerings(self.model, infos, self.schedule):
             programs.append(program)
@@ -252,6 +255,20 @@ class GraphRunner:
                 self.baseline_trace = trace
                 budget = self.runtime.resolve_budget(trace.peak_device_bytes)
                 unplanned_need = trace.min_budget_bytes
+                apart = apart_trace = None
+                cut = self.updates_cut(self.model, self.schedule)
+                # Nothing recomputed, in the largest blocks as recompute plans lower them.
+                unrecomputed = (program, trace) if cut is None else None
+                if budget is not None and unplanned_need > budget and cut is not None:
+                    # The state updates in a block of their own: one cut, nothing recomputed
+                    # or swapped. Replayed where it may fit (it frees at most the new state's
+                    # bytes) and while the estimator collects the need plans start from.
+                    new_state = sum(infos[n].nbytes for n in self.graph.state_pairs.values() if n in infos)
+                    if unplanned_need - new_state <= budget or (recompute_allowed and self.recompute.collecting):
+                        apart = self.lower_with_cuts(self.model, infos, self.schedule, (cut,))
+                        apart_trace = simulate_program(apart, infos, alignment=self.runtime.device.alignment)
+                        unplanned_need = min(unplanned_need, apart_trace.min_budget_bytes)
+                        unrecomputed = (apart, apart_trace)
                 if recompute_allowed and budget is not None:
                     # A recompute plan made for a similar input size, if this one needs it and it
                     # fits (Mimose's plan cache): no block-size search, no planning.
@@ -264,11 +281,16 @@ class GraphRunner:
             if budget is None or trace.min_budget_bytes <= budget:
                 chosen = (program, trace, (), program, None)
                 break
+            if first and apart_trace is not None:
+                needed = min(needed, apart_trace.min_budget_bytes)
+                if apart_trace.min_budget_bytes <= budget:
+                    chosen, updates_apart = (apart, apart_trace, (), apart, None), True
+                    break
             if first and recompute_allowed:
                 # Recompute in large blocks before smaller blocks without it: on this CPU every
                 # cut costs more than the recomputation (README, "How it works", recompute).
                 break
-        if chosen is not None and not recomputed and len(chosen[0].blocks) > len(programs[0].blocks):
+        if chosen is not None and not recomputed and not updates_apart and len(chosen[0].blocks) > len(programs[0].blocks):
             # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
             # fit with fewer, larger (faster) blocks.
             program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
@@ -276,7 +298,8 @@ class GraphRunner:
         if chosen is None and recompute_allowed and "swap" in self.passes:
             model, infos, chosen, recomputed, needed = self._choose_recompute_or_swap(infos, budget, needed)
         elif chosen is None and recompute_allowed:
-            model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed)
+            model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed,
+                                                                                     unrecomputed=unrecomputed)
         elif chosen is None and "swap" in self.passes:
             chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
         split_nodes, split_plan, bottleneck = 0, None, ""
@@ -324,6 +347,32 @@ class GraphRunner:
         if entry is None or len(entry[1]) != len(model.graph.node):
             entry = self._node_io_of[id(model)] = (model, node_io(model.graph.node))
         return entry[1]
+
+    def updates_cut(self, model: onnx.ModelProto, schedule) -> int | None:
+        """The schedule position where ``model``'s state updates begin, if they trail its
+        backward (:func:`graph_passes.schedule.updates_start`); None where they do not, for a
+        graph without gradients, or where the blocks are fixed (by the device's block size or
+        the graph's swap nodes). Read once per model, as :meth:`_node_io`."""
+        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
+            return None
+        entry = self._updates_cut_of.get(id(model))
+        if entry is None:
+            spine = training_spine(self.graph.roles, self.graph.state_pairs, [o.name for o in model.graph.output])
+            cut = None if spine is None else updates_start(model, spine, self.graph.state_pairs.values(), schedule)
+            entry = self._updates_cut_of[id(model)] = (model, cut)
+        return entry[1]
+
+    def lower_updates_apart(self, model: onnx.ModelProto, infos, schedule) -> Program | None:
+        """``model`` in its largest blocks with the state updates in a block of their own, or
+        None where they do not trail the backward. A block's outputs are allocated when it
+        starts: with the updates in the backward's block, the new parameters and optimizer
+        moments take arena room while every activation is live; cut off, they are allocated
+        after the backward has freed them. BERT small: ~27 MiB less at any length (the
+        parameters and both AdamW moments, less the gradients the cut passes on), for 0-3% of
+        a step on this CPU (one more block run); a budgeted plan tries it before recomputing
+        anything and plans recomputation on it."""
+        cut = self.updates_cut(model, schedule)
+        return None if cut is None else self.lower_with_cuts(model, infos, schedule, (cut,))
 
     def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
         """``model`` in blocks cut only at these schedule positions (and around order-dependent
@@ -560,13 +609,16 @@ class GraphRunner:
         session = self._sessions.get(key)
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
-            # Only a block holding most of the graph spins: idle pools of other sessions would
-            # steal its cores, and its own spinning after it ends costs the short tail little.
-            dominant = 2 * len(block.node_indices) >= len(model.graph.node)
+            # Only blocks holding a quarter of the graph or more spin (so at most four): a pool
+            # that sleeps between nodes pays a wake-up per parallel node (the 1,650 optimizer
+            # nodes of bert small, cut off from the backward: ~25 ms a step), and a pool that
+            # spins after its block ends steals the next block's cores, which only pays where
+            # blocks are few and long (gpt small in 13 blocks, all spinning: 0.76 s/step, 0.29 not).
+            large = 4 * len(block.node_indices) >= len(model.graph.node)
             serial = any(is_order_dependent(model.graph.node[i]) for i in block.node_indices)
             session = BlockSession(
                 model, block, elem_types,
-                session_options=self.runtime.session_options(spinning=dominant and not serial, serial=serial),
+                session_options=self.runtime.session_options(spinning=large and not serial, serial=serial),
                 providers=self.runtime.device.providers,
             )
             self._sessions[key] = session

@@ -11,7 +11,8 @@ import pytest
 from graph_passes import shapes
 from graph_passes.liveness import check_topological
 from graph_passes.program import order_dependent_last
-from graph_passes.schedule import training_spine, updates_early
+from graph_passes.memory import simulate_program
+from graph_passes.schedule import training_spine, updates_early, updates_start
 from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload.device import set_offload_device
 from ort_offload.runtime import GraphRunner, Runtime
@@ -107,6 +108,47 @@ def test_a_graph_without_gradient_roles_has_no_spine():
     roles = {n: (Role.ACTIVATION if r == Role.GRAD else r) for n, r in graph.roles.items()}
     assert training_spine(roles, graph.state_pairs, [o.name for o in graph.model.graph.output]) is None
     assert training_spine(graph.roles, graph.state_pairs, ["loss", "w1_new"]) == ["loss", "g1", "g2", "g3", "g4"]
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_the_updates_start_after_the_last_node_the_loss_and_gradients_need(scatter):
+    """In the exported order the optimizer tail starts right after the backward: everything
+    before the position is something the loss or a gradient depends on, every new state is
+    made from there on; the order-dependent tail (the scatter and what reads it) does not
+    count. With the updates interleaved (updates_early), there is no such position."""
+    graph = layered_step(scatter=scatter)
+    model = graph.model
+    nodes = list(model.graph.node)
+    base = order_dependent_last(model) or list(range(len(nodes)))
+    start = updates_start(model, spine_of(graph), graph.state_pairs.values(), base)
+    assert start is not None
+    at = producer_positions(model, base)
+    assert at["loss"] < start and all(at[f"g{i}"] < start for i in range(1, 4))
+    assert all(at[new] >= start for new in graph.state_pairs.values())
+    assert at["g1"] == start - 1  # the backward's last node
+    if scatter:  # the scattered gradient and its layer's updates: after the rest
+        assert at["g4"] > at["w1_new"] and at["w4_new"] > at["g4"]
+    early = updates_early(model, spine_of(graph), base)
+    assert updates_start(model, spine_of(graph), graph.state_pairs.values(), early) is None
+
+
+def test_a_budget_met_by_cutting_off_the_updates_runs_without_swaps_and_bitwise_equal():
+    """In one block, a step's new state is allocated when the block starts, next to every
+    activation; with the updates in a block of their own it comes after the backward. A
+    budget that only this fits is met by that one cut: no swap, the same numbers."""
+    graph = layered_step(width=64)
+    feeds = feeds_for(graph)
+    ref_losses, ref_state, ref_runtime, ref_prepared = _run(graph, feeds, None)
+    runner = GraphRunner(ref_runtime, graph, fetches=["loss"], passes=("swap",))
+    apart = runner.lower_updates_apart(runner.model, ref_prepared.infos, runner.schedule)
+    apart_need = simulate_program(apart, ref_prepared.infos, alignment=ref_runtime.device.alignment).min_budget_bytes
+    assert apart_need < ref_prepared.trace.min_budget_bytes  # the new state no longer meets the activations
+    losses, state, runtime, prepared = _run(graph, feeds, apart_need)
+    assert len(prepared.program.blocks) == len(ref_prepared.program.blocks) + 1
+    assert prepared.swap_plan is None and runtime.stats.swap_out_bytes == 0
+    assert losses == ref_losses
+    assert all(state[k].tobytes() == ref_state[k].tobytes() for k in ref_state)
+    assert runtime.stats.peak_device_bytes <= apart_need
 
 
 def _plan(graph, feeds, budget, profile):
