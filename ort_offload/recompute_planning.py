@@ -13,9 +13,11 @@ whose unplanned graph does not fit:
 2. **New plan**, first with the graph in its largest blocks (on this CPU a block cut costs more
    than recomputation), the state updates in a block of their own where they trail the
    backward (:meth:`~ort_offload.runtime.GraphRunner.lower_updates_apart`: the runner tries
-   that cut alone before planning; a plan's new state then never meets its activations): while the estimator is fitting (the first sizes), the bucket rule runs
-   with the excess measured by a memory replay after every choice (exact, seconds). Once fitted,
-   the rule runs on predicted bytes alone (sub-millisecond: the plan time reported), each
+   that cut alone before planning; a plan's new state then never meets its activations).
+   While the estimator is fitting (the first sizes), the bucket rule starts from what this
+   size's exact saved bytes and replayed need choose and continues with the excess measured by
+   a memory replay after every further choice. Once fitted, the rule runs on predicted bytes
+   alone (sub-millisecond: the plan time reported), each
    segment credited with the share of its saved bytes that earlier plans actually took off the
    least budget (:meth:`RecomputePlanning.credit`); then one replay checks the plan; if the
    estimate fell short, the rule continues with measured excess. Every such plan starts from
