@@ -177,6 +177,32 @@ def test_shape_inference_pins_what_the_last_signature_needed_first_with_the_same
     assert counts[0][0] == counts[0][1] >= 2 and counts[1] == (counts[0][0], counts[0][0] - 1)
 
 
+def test_shape_inference_reuses_the_pinned_values_probe_across_signatures(monkeypatch):
+    # The probe of the values pinned up front reads the model's dynamic inputs, so one session
+    # serves every later signature; its values (and so the infos) are still this signature's.
+    graph, feeds, _ = step_graph_and_feeds("bert")
+    model = graph.model
+    signatures = []
+    for seq in (32, 48, 64):
+        (inputs, targets), = batches("bert", 1, seq_lengths=[seq])
+        signature = dict(feeds, **{n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
+        input_infos = shapes.check_inputs(model, signature)
+        signatures.append((input_infos, shapes.infer_tensor_infos(model, input_infos)))
+    built = []
+    probe_session = shapes._probe_session
+    monkeypatch.setattr(shapes, "_probe_session", lambda m, names: built.append(tuple(names)) or probe_session(m, names))
+    inference = shapes.ShapeInference(model)
+    per_signature = []
+    for input_infos, expected in signatures:
+        before = len(built)
+        assert inference(input_infos) == expected
+        per_signature.append(built[before:])
+    assert inference.pin_first
+    assert per_signature[0]  # the first signature probes what inference stops at
+    assert per_signature[1] == [inference.pin_first]  # built once, on the dynamic model
+    assert per_signature[2] == []  # reused
+
+
 def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     # Preparing makes many short-lived objects; with the collector on they trigger full passes
     # over every object in the process. Off while preparing, back to how it was afterwards,
