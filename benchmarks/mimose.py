@@ -35,6 +35,13 @@ recomputation costs what its kernels cost on the accelerator Mimose targets, rat
 they cost next to this CPU's per-block overheads. Plans are the ones made here (Mimose's plans
 depend on bytes, not on the device).
 
+Where the ratio comes from: the epoch **by sequence length** (:data:`LENGTH_RANGES` equal
+ranges; per range each trainer's seconds, the ratio, the ceiling and the recomputed nodes per
+step), and a **bound**: static over input-aware if input-aware cost nothing over unplanned on
+every step where its plan recomputed fewer nodes than the static one, its other steps as run. No
+better plan for the sizes that leave room reaches past it while the sizes that need the static
+plan's recomputation cost what they do.
+
 **Plan time at 12 layers**: BERT ``tiny12`` (12 layers, as BERT-base) trains :data:`FULL`
 ``plan_steps`` variable-length steps under a budget, so the estimator fits and later sizes are
 planned from it; reported: the runtime's plan time per estimated plan (median), and the choosing
@@ -71,6 +78,7 @@ TARGET_ESTIMATOR_ERROR = 0.01
 ROWS = ("unplanned", "static", "input_aware")
 WHOLE_SEGMENTS = "whole_segments"  # the optional row: input-aware without selective units
 SIMULATED_PROFILES = ("V100-16GB-PCIe3", "H100")
+LENGTH_RANGES = 4  # the per-range breakdown of the epoch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +208,8 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None], whole_segme
         "speedup_ceiling_epoch": by_row["static"]["epoch_s"] / by_row["unplanned"]["epoch_s"],
         "simulated": _simulated_epochs(by_row),
         "speedup_run": by_row["static"]["run_s_total"] / by_row["input_aware"]["run_s_total"],
+        "by_length": _by_length(by_row),
+        "speedup_epoch_bound_free_where_fewer": _bound_free_where_fewer(by_row),
         # over the steps where neither planned trainer made a new plan (no session creation)
         "speedup_run_existing_plans": _sum_where_neither_planned(by_row, "static") /
         _sum_where_neither_planned(by_row, "input_aware"),
@@ -239,6 +249,39 @@ def _simulated_epochs(by_row: dict) -> dict[str, dict[str, float]]:
         result[name] = {"epoch_s": totals, "speedup_epoch": totals["static"] / totals["input_aware"],
                         "speedup_ceiling_epoch": totals["static"] / totals["unplanned"]}
     return result
+
+
+def _by_length(by_row: dict, ranges: int = LENGTH_RANGES) -> list[dict[str, Any]]:
+    """The epoch split into equal ranges of sequence length: per range, the steps, each trainer's
+    epoch seconds, static over input-aware and over unplanned, and the recomputed nodes per step
+    of the two planned trainers. Where the ratio sits across lengths says where the input-aware
+    plans gain on the static one (short inputs) and where they cannot (the longest, which need
+    the static plan's recomputation too)."""
+    width = (MAX_LENGTH - MIN_LENGTH + 1) / ranges
+    result = []
+    for k in range(ranges):
+        low, high = MIN_LENGTH + round(k * width), MIN_LENGTH + round((k + 1) * width) - 1
+        steps = [i for i, step in enumerate(by_row["unplanned"]["per_step"]) if low <= step["length"] <= high]
+        epoch = {row: sum(by_row[row]["per_step"][i]["wall_s"] for i in steps) for row in by_row}
+        nodes = {row: [by_row[row]["per_step"][i]["recomputed_nodes"] for i in steps] for row in ("static", "input_aware")}
+        result.append({
+            "lengths": [low, high], "steps": len(steps), "epoch_s": epoch,
+            "speedup_epoch": epoch["static"] / epoch["input_aware"] if steps else None,
+            "speedup_ceiling_epoch": epoch["static"] / epoch["unplanned"] if steps else None,
+            "recomputed_nodes_per_step": {row: [min(v), max(v)] if v else None for row, v in nodes.items()},
+        })
+    return result
+
+
+def _bound_free_where_fewer(by_row: dict) -> float:
+    """Static over input-aware if input-aware cost nothing over unplanned on every step where its
+    plan recomputed fewer nodes than the static one, its other steps as measured: what better
+    input-aware plans for the sizes that leave it room could reach at most, while the sizes its
+    planner found no smaller plan for (at least the static plan's nodes) cost what they cost."""
+    unplanned, static, aware = (by_row[r]["per_step"] for r in ("unplanned", "static", "input_aware"))
+    forced = sum(max(0.0, a["wall_s"] - u["wall_s"]) for u, s, a in zip(unplanned, static, aware)
+                 if a["recomputed_nodes"] >= s["recomputed_nodes"])
+    return by_row["static"]["epoch_s"] / (by_row["unplanned"]["epoch_s"] + forced)
 
 
 def _sum_where_neither_planned(by_row: dict, row: str) -> float:
@@ -347,6 +390,21 @@ def print_table(result: dict[str, Any], console) -> None:
     console.print(f"static / input-aware: epoch {epoch['speedup_epoch']:.2f}x, run only {epoch['speedup_run']:.2f}x, "
                   f"run on steps where neither made a new plan {epoch['speedup_run_existing_plans']:.2f}x; "
                   f"ceiling (static / unplanned, nothing recomputed) {epoch['speedup_ceiling_epoch']:.2f}x")
+    console.print(f"bound: static / input-aware if input-aware cost nothing where it recomputed fewer nodes "
+                  f"than static (its other steps as run): {epoch['speedup_epoch_bound_free_where_fewer']:.2f}x")
+    ranges = Table(title="by sequence length")
+    for column in ("lengths", "steps", "epoch s: unplanned / static / input-aware", "static / input-aware",
+                   "ceiling", "recomputed nodes per step: static / input-aware"):
+        ranges.add_column(column, justify="right")
+    for r in epoch["by_length"]:
+        if not r["steps"]:
+            continue
+        e, n = r["epoch_s"], r["recomputed_nodes_per_step"]
+        ranges.add_row(f"{r['lengths'][0]}-{r['lengths'][1]}", str(r["steps"]),
+                       f"{e['unplanned']:.1f} / {e['static']:.1f} / {e['input_aware']:.1f}",
+                       f"{r['speedup_epoch']:.2f}x", f"{r['speedup_ceiling_epoch']:.2f}x",
+                       " / ".join("-".join(dict.fromkeys(map(str, n[row]))) for row in ("static", "input_aware")))
+    console.print(ranges)
     if "selective_speedup_epoch" in epoch:
         console.print(f"whole segments only (Mimose's rule) / input-aware: epoch {epoch['selective_speedup_epoch']:.2f}x, "
                       f"run {epoch['selective_speedup_run']:.2f}x; static / whole segments: epoch "

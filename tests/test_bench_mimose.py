@@ -30,6 +30,7 @@ def test_writes_the_result_and_prints_the_table(quick_run):
     out, proc, result = quick_run
     assert sorted(os.listdir(out)) == ["mimose.json"]
     assert "static / input-aware" in proc.stdout and ("PASS" in proc.stdout or "FAIL" in proc.stdout)
+    assert "by sequence length" in proc.stdout
     assert result["benchmark"] == "mimose" and result["mode"] == "quick"
     assert "benchmarks.mimose" in result["command"]
 
@@ -57,6 +58,22 @@ def test_the_plans_run_the_same_epoch_within_budget_and_bitwise(quick_run):
     assert rows["static"]["recompute"]["policy"] == "static"
     assert epoch["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
     assert epoch["speedup_run_existing_plans"] > 0
+    # the epoch by length range: every step in exactly one range, the ranges' seconds add up
+    ranges = epoch["by_length"]
+    assert ranges[0]["lengths"][0] == 16 and ranges[-1]["lengths"][1] == 256
+    assert all(a["lengths"][1] + 1 == b["lengths"][0] for a, b in zip(ranges, ranges[1:]))
+    assert sum(r["steps"] for r in ranges) == len(lengths)
+    for name, row in rows.items():
+        assert sum(r["epoch_s"][name] for r in ranges) == pytest.approx(row["epoch_s"])
+    for r in ranges:
+        if r["steps"]:
+            assert r["speedup_epoch"] == pytest.approx(r["epoch_s"]["static"] / r["epoch_s"]["input_aware"])
+            assert r["recomputed_nodes_per_step"]["static"][0] == rows["static"]["per_step"][0]["recomputed_nodes"]
+    forced = sum(max(0.0, a["wall_s"] - u["wall_s"]) for u, s, a in zip(
+        rows["unplanned"]["per_step"], rows["static"]["per_step"], rows["input_aware"]["per_step"])
+        if a["recomputed_nodes"] >= s["recomputed_nodes"])
+    assert epoch["speedup_epoch_bound_free_where_fewer"] == pytest.approx(
+        rows["static"]["epoch_s"] / (rows["unplanned"]["epoch_s"] + forced))
     assert epoch["speedup_ceiling_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["unplanned"]["epoch_s"])
     # --whole-segments: the same input-aware rule without the selective units
     assert rows["whole_segments"]["recompute"]["policy"] == "input_aware"
