@@ -797,17 +797,20 @@ class _StepExecution:
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena
         session = self.runner.session(self.prepared, step.block)
-        workspace = session.block.workspace_bytes
+        # This signature's block: the session may have been made at another one, whose
+        # workspace (shape-dependent) is not this step's.
+        block = self.prepared.program.blocks[step.block]
+        workspace = block.workspace_bytes
         self.block = step.block
         self._cap(workspace)
-        self._ensure_resident(session.block.inputs, f"block {step.block}")
+        self._ensure_resident(block.inputs, f"block {step.block}")
         for name, pieces in allocation_units(self.prepared.program, step.allocates):
             if pieces:
                 self._allocate_view(name, pieces, step.block)
             else:
                 self._allocate(name, step.block)
         self._measure(workspace)
-        pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in session.block.inputs + session.block.outputs}
+        pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in block.inputs + block.outputs}
         try:
             session.run(pointers, self.infos)
         except Exception as e:

@@ -107,6 +107,17 @@ def test_variable_length_training_plans_per_size_and_stays_bitwise_within_budget
     print(f"50 variable-length steps in {elapsed:.1f} s: {summary}")
 
 
+def test_a_longer_step_on_sessions_made_at_a_shorter_one_counts_its_own_workspace():
+    # Block sessions serve every length; a block's workspace does not. The measured peak (what
+    # the report's peak and within_budget rest on) is this length's, as the replay has it.
+    spec = get_model("bert", "tiny")
+    data = [spec.make_batch(seq=n, seed=k) for k, n in enumerate((32, 128))]
+    run = train_ort("bert", optimizer="adamw", steps=2, data=data)
+    short, long = run.trainer.runner.prepared_steps()
+    assert max(b.workspace_bytes for b in long.program.blocks) > max(b.workspace_bytes for b in short.program.blocks)
+    assert run.trainer.report()["peak_device_bytes"] == long.trace.peak_device_bytes > short.trace.peak_device_bytes
+
+
 def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it(monkeypatch):
     """bert small, lengths falling from 256, budget 0.32 of the unplanned peak: 7 of 8 segments
     fit at 256 in the largest blocks. At 224 the bucket rule, run afresh, ends with a plan that
