@@ -111,9 +111,11 @@ def consumed_names(node: onnx.NodeProto) -> list[str]:
     return _consumed(node)
 
 
-def ancestor_nodes(nodes: Sequence[onnx.NodeProto], names, producer: dict[str, int] | None = None) -> set[int]:
+def ancestor_nodes(nodes: Sequence[onnx.NodeProto], names, producer: dict[str, int] | None = None,
+                   io: Sequence[NodeIO] | None = None) -> set[int]:
     """Indices of the nodes among ``nodes`` that the values ``names`` depend on (their producers,
-    transitively). ``producer``: value name -> node index, when the caller has it already."""
+    transitively). ``producer``: value name -> node index, and ``io``: the nodes'
+    :func:`node_io`, when the caller has them already."""
     if producer is None:
         producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
     found: set[int] = set()
@@ -123,5 +125,6 @@ def ancestor_nodes(nodes: Sequence[onnx.NodeProto], names, producer: dict[str, i
         if index in found:
             continue
         found.add(index)
-        stack.extend(producer[n] for n in consumed_names(nodes[index]) if n in producer)
+        reads = io[index].reads if io is not None else consumed_names(nodes[index])
+        stack.extend(producer[n] for n in reads if n in producer)
     return found

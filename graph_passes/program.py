@@ -122,16 +122,19 @@ def is_order_dependent(node: onnx.NodeProto) -> bool:
     return reduction != "none"
 
 
-def order_dependent_last(model: onnx.ModelProto) -> list[int] | None:
+def order_dependent_last(model: onnx.ModelProto, io: Sequence[NodeIO] | None = None) -> list[int] | None:
     """A schedule that runs order-dependent nodes (and everything that depends on them) after
-    all other nodes, so the rest stays one multi-threaded block; None if there are none."""
+    all other nodes, so the rest stays one multi-threaded block; None if there are none.
+    ``io``: the nodes' :func:`~graph_passes.liveness.node_io`, when the caller has it."""
     nodes = list(model.graph.node)
+    if io is None:
+        io = node_io(nodes)
     tainted: set[str] = set()
     late: list[int] = []
     early: list[int] = []
     for index, node in enumerate(nodes):
-        if is_order_dependent(node) or any(name in tainted for name in consumed_names(node)):
-            tainted.update(o for o in node.output if o)
+        if (tainted and any(name in tainted for name in io[index].reads)) or is_order_dependent(node):
+            tainted.update(io[index].outputs)
             late.append(index)
         else:
             early.append(index)

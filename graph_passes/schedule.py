@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 import onnx
 
-from graph_passes.liveness import ancestor_nodes, consumed_names
+from graph_passes.liveness import NodeIO, ancestor_nodes, consumed_names, node_io
 from graph_passes.program import is_order_dependent
 
 
@@ -113,7 +113,8 @@ def updates_early(
 
 
 def updates_start(
-    model: onnx.ModelProto, spine: Iterable[str], updated: Iterable[str], schedule: Sequence[int] | None = None
+    model: onnx.ModelProto, spine: Iterable[str], updated: Iterable[str], schedule: Sequence[int] | None = None,
+    io: Sequence[NodeIO] | None = None,
 ) -> int | None:
     """The position in ``schedule`` (default: node order) where the state updates begin, if they
     trail the backward: no value of ``spine`` (:func:`training_spine`) depends on a node from
@@ -125,23 +126,25 @@ def updates_start(
     A block cut there keeps the new state out of the backward's block: a block's outputs are
     allocated when it starts, so in one block holding both, the updated parameters and moments
     take arena room while every activation of the step is live (see the runtime's
-    ``lower_updates_apart``)."""
+    ``lower_updates_apart``). ``io``: the nodes' :func:`~graph_passes.liveness.node_io`, when
+    the caller has it."""
     nodes = list(model.graph.node)
+    if io is None:
+        io = node_io(nodes)
     order = list(range(len(nodes))) if schedule is None else list(schedule)
-    producer = {name: index for index, node in enumerate(nodes) for name in node.output if name}
-    keep = ancestor_nodes(nodes, list(spine), producer)
+    producer = {name: index for index, entry in enumerate(io) for name in entry.outputs}
+    keep = ancestor_nodes(nodes, list(spine), producer, io)
     tainted: set[str] = set()
     tail = len(order)  # the order-dependent tail starts at its first node
     for position, index in enumerate(order):
-        node = nodes[index]
-        if is_order_dependent(node) or any(name in tainted for name in consumed_names(node)):
-            tainted.update(o for o in node.output if o)
+        if (tainted and any(name in tainted for name in io[index].reads)) or is_order_dependent(nodes[index]):
+            tainted.update(io[index].outputs)
             tail = min(tail, position)
     start = 1 + max((p for p in range(tail) if order[p] in keep), default=-1)
     if start >= tail:
         return None
     updated = set(updated)
-    if any(name in updated for p in range(start) for name in nodes[order[p]].output):
+    if any(name in updated for p in range(start) for name in io[order[p]].outputs):
         return None
     return start
 

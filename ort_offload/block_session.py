@@ -9,6 +9,7 @@ into the arena (IOBinding), so kernels read from and write to arena buffers dire
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from typing import Mapping
 
@@ -58,6 +59,18 @@ def block_model(model: onnx.ModelProto, block: Block, elem_types: Mapping[str, i
     return sub
 
 
+def block_content_key(sub: onnx.ModelProto) -> bytes:
+    """A digest of a :func:`block_model` that two blocks share exactly when their sessions are
+    interchangeable: the same nodes, boundary names, element types and declared shapes. The
+    graph's name (which carries the block's index) is left out."""
+    name = sub.graph.name
+    sub.graph.name = ""
+    try:
+        return hashlib.sha256(sub.SerializeToString(deterministic=True)).digest()
+    finally:
+        sub.graph.name = name
+
+
 class BlockSession:
     """An ``InferenceSession`` over one block, run with pointer bindings into the arena."""
 
@@ -69,9 +82,12 @@ class BlockSession:
         *,
         session_options: ort.SessionOptions | None = None,
         providers: list[str] | None = None,
+        sub: onnx.ModelProto | None = None,
     ) -> None:
+        """``sub``: the block's :func:`block_model`, where the caller has built it already."""
         self.block = block
-        sub = block_model(model, block, elem_types)
+        if sub is None:
+            sub = block_model(model, block, elem_types)
         try:
             self.session = ort.InferenceSession(
                 sub.SerializeToString(), sess_options=session_options, providers=providers or ["CPUExecutionProvider"]

@@ -166,7 +166,7 @@ class RecomputePlanning:
         if key not in self._rewritten:
             plan = RecomputePlan(tuple(segments[k] for k in key))
             model, clones = write_recompute_plan(self.runner.model, plan, loss_name=self.runner.graph.loss_name)
-            self._rewritten[key] = (model, order_dependent_last(model), clones)
+            self._rewritten[key] = (model, order_dependent_last(model, self.runner.node_io_of(model)), clones)
             self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]
 

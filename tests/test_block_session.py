@@ -1,4 +1,5 @@
-"""Block sessions: the ORT options every block runs with."""
+"""Block sessions: the ORT options every block runs with, and what makes two blocks' sessions
+interchangeable."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from ort_offload.block_session import default_session_options, shared_cpu_arena
+from graph_passes.program import Block
+from ort_offload.block_session import block_content_key, block_model, default_session_options, shared_cpu_arena
 
 ELEMENTS = 1 << 23  # 32 MiB per float intermediate
 
@@ -49,3 +51,25 @@ def test_block_sessions_share_one_cpu_arena():
         assert session.run(None, {"x": x})[0] == 2.0 * ELEMENTS
     grown = _resident_bytes() - after_first
     assert grown < ELEMENTS * 4, f"the other five sessions' runs added {grown / 2**20:.0f} MiB"
+
+
+def test_blocks_running_the_same_nodes_share_a_content_key_whatever_their_index_or_graph():
+    def graph(extra_first: bool):
+        nodes = [helper.make_node("Mul", ["x", "x"], ["square"]), helper.make_node("Add", ["square", "x"], ["y"])]
+        if extra_first:  # another graph (a rewrite, say) with a node before the same two
+            nodes.insert(0, helper.make_node("Neg", ["x"], ["unused"]))
+        return helper.make_model(helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])]), opset_imports=[helper.make_opsetid("", 17)])
+
+    types = {"x": TensorProto.FLOAT, "square": TensorProto.FLOAT, "y": TensorProto.FLOAT}
+    key = lambda model, block, t=types: block_content_key(block_model(model, block, t))  # noqa: E731
+    plain = key(graph(False), Block(0, (0, 1), ("x",), ("y",), 0))
+    shifted = Block(3, (1, 2), ("x",), ("y",), 1 << 20)  # other index, positions and workspace
+    assert key(graph(True), shifted) == plain
+    assert key(graph(False), Block(0, (0,), ("x",), ("square",), 0)) != plain  # other nodes
+    assert key(graph(False), Block(0, (0, 1), ("x",), ("y",), 0), {"x": TensorProto.DOUBLE, "square": TensorProto.DOUBLE, "y": TensorProto.DOUBLE}) != plain
+    sub = block_model(graph(True), shifted, types)
+    name = sub.graph.name
+    block_content_key(sub)
+    assert sub.graph.name == name  # the model is left as it was
