@@ -129,10 +129,15 @@ def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False
     # Bitwise-reproducible steps: without it, multi-threaded reductions (e.g. the embedding
     # gradient's scatter-add) sum in varying order and two identical runs drift apart.
     options.use_deterministic_compute = True
-    # Every block is its own session with its own intra-op pool; pools that spin after their
-    # block finishes steal the cores the next block needs (gpt small, 13 blocks, 2 cores:
-    # 0.76 s/step spinning vs 0.29 s not). A program of one block keeps ORT's default.
+    # Every block is its own session with its own intra-op pool. A pool that spins while its
+    # block runs saves a wake-up per parallel node; one that goes on spinning after its block
+    # returns steals the cores the next block needs (gpt small, 13 blocks, 2 cores: 0.76 s/step
+    # all spinning vs 0.29 s none). force_spinning_stop ends the spinning when Run returns:
+    # gpt small in 3 blocks of ~790 nodes, 171-249 ms/step all spinning with it against 246-286
+    # with only blocks of a quarter of the graph spinning without it (README, "How it works").
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     # No memory patterns: ORT records one per input-shape set and allocates it as one block on
     # that shape's second run, so with dynamic shapes every new length pays an arena extension
     # once more (bert small, 0.33x, input-aware, the 2nd run of length 172: 1314 ms against

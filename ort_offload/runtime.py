@@ -109,8 +109,8 @@ class Runtime:
         return self._planning_profile
 
     def session_options(self, *, spinning: bool, serial: bool = False):
-        """Options for a block session; spinning only pays off when one session runs alone,
-        and order-dependent blocks run on one thread so every run sums in the same order."""
+        """Options for a block session: ``spinning`` while it runs (it stops when the run
+        returns); order-dependent blocks run on one thread so every run sums in the same order."""
         threads = 1 if serial else self.device.intra_op_threads
         return default_session_options(intra_op_threads=threads, spinning=spinning)
 
@@ -615,20 +615,19 @@ class GraphRunner:
         session = self._sessions.get(key)
         if session is None:
             elem_types = {n: onnx.helper.np_dtype_to_tensor_dtype(prepared.infos[n].dtype) for n in block.inputs + block.outputs}
-            # Only blocks holding a quarter of the graph or more spin (so at most four): a pool
-            # that sleeps between nodes pays a wake-up per parallel node (the 1,650 optimizer
-            # nodes of bert small, cut off from the backward: ~25 ms a step), and a pool that
-            # spins after its block ends steals the next block's cores, which only pays where
-            # blocks are few and long (gpt small in 13 blocks, all spinning: 0.76 s/step, 0.29 not).
-            large = 4 * len(block.node_indices) >= len(model.graph.node)
+            # Every block of more than one node spins while it runs, and stops when it returns
+            # (default_session_options): a pool that sleeps between nodes pays a wake-up per
+            # parallel node (the 1,650 optimizer nodes of bert small, cut off from the backward:
+            # ~25 ms a step), and a pool still spinning after its block steals the next one's cores.
             serial = any(is_order_dependent(model.graph.node[i]) for i in block.node_indices)
             sub = block_model(model, block, elem_types)
-            content = (block_content_key(sub), large and not serial, serial)
+            spinning = len(block.node_indices) > 1 and not serial
+            content = (block_content_key(sub), spinning, serial)
             session = self._sessions_by_content.get(content)
             if session is None:
                 session = BlockSession(
                     model, block, elem_types,
-                    session_options=self.runtime.session_options(spinning=large and not serial, serial=serial),
+                    session_options=self.runtime.session_options(spinning=spinning, serial=serial),
                     providers=self.runtime.device.providers, sub=sub,
                 )
                 self._sessions_by_content[content] = session
