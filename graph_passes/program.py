@@ -122,23 +122,27 @@ def is_order_dependent(node: onnx.NodeProto) -> bool:
     return reduction != "none"
 
 
+def order_dependent_closure(nodes: Sequence[onnx.NodeProto], io: Sequence[NodeIO], order: Sequence[int]) -> set[int]:
+    """Indices of the order-dependent nodes and of every node that reads what they make
+    (transitively), walking ``nodes`` in the topological ``order``."""
+    tainted: set[str] = set()
+    closure: set[int] = set()
+    for index in order:
+        if (tainted and any(name in tainted for name in io[index].reads)) or is_order_dependent(nodes[index]):
+            tainted.update(io[index].outputs)
+            closure.add(index)
+    return closure
+
+
 def order_dependent_last(model: onnx.ModelProto, io: Sequence[NodeIO] | None = None) -> list[int] | None:
     """A schedule that runs order-dependent nodes (and everything that depends on them) after
     all other nodes, so the rest stays one multi-threaded block; None if there are none.
     ``io``: the nodes' :func:`~graph_passes.liveness.node_io`, when the caller has it."""
     nodes = list(model.graph.node)
-    if io is None:
-        io = node_io(nodes)
-    tainted: set[str] = set()
-    late: list[int] = []
-    early: list[int] = []
-    for index, node in enumerate(nodes):
-        if (tainted and any(name in tainted for name in io[index].reads)) or is_order_dependent(node):
-            tainted.update(io[index].outputs)
-            late.append(index)
-        else:
-            early.append(index)
-    return early + late if late else None
+    late = order_dependent_closure(nodes, io if io is not None else node_io(nodes), range(len(nodes)))
+    if not late:
+        return None
+    return [i for i in range(len(nodes)) if i not in late] + sorted(late)
 
 
 def partition(num_nodes: int, max_block_nodes: int = DEFAULT_BLOCK_NODES) -> list[tuple[int, ...]]:

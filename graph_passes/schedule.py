@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 
 from graph_passes.liveness import NodeIO, ancestor_nodes, consumed_names, node_io
-from graph_passes.program import is_order_dependent
+from graph_passes.program import is_order_dependent, order_dependent_closure
 
 
 def updates_early(
@@ -134,12 +134,8 @@ def updates_start(
     order = list(range(len(nodes))) if schedule is None else list(schedule)
     producer = {name: index for index, entry in enumerate(io) for name in entry.outputs}
     keep = ancestor_nodes(nodes, list(spine), producer, io)
-    tainted: set[str] = set()
-    tail = len(order)  # the order-dependent tail starts at its first node
-    for position, index in enumerate(order):
-        if (tainted and any(name in tainted for name in io[index].reads)) or is_order_dependent(nodes[index]):
-            tainted.update(io[index].outputs)
-            tail = min(tail, position)
+    late = order_dependent_closure(nodes, io, order)
+    tail = next((p for p, index in enumerate(order) if index in late), len(order))  # where the tail starts
     start = 1 + max((p for p in range(tail) if order[p] in keep), default=-1)
     if start >= tail:
         return None

@@ -169,7 +169,7 @@ def _infer(model, input_infos, *, probe_feeds, max_rounds: int = 16, pin_first=(
     """(infos, the values pinned): :func:`infer_tensor_infos`, with ``pin_first`` (values
     pinned at another signature) probed and pinned before the first round. ``io``: the model's
     :func:`node_io`, when the caller has it; ``pin_sessions``: a cache of the ``pin_first`` probe
-    across signatures (it is built on ``model``, whose inputs keep their dynamic axes)."""
+    across signatures (the probe reads ``model``, whose inputs keep their dynamic axes)."""
     concrete = onnx.ModelProto()
     concrete.CopyFrom(model)
     for value in concrete.graph.input:
@@ -184,8 +184,7 @@ def _infer(model, input_infos, *, probe_feeds, max_rounds: int = 16, pin_first=(
         io = node_io(model.graph.node)
     pinned: set[str] = set()
     if pin_first:
-        probed = _probe_values(model if pin_sessions is not None else concrete, input_infos, list(pin_first),
-                               probe_feeds, pin_sessions)
+        probed = _probe_values(model, input_infos, list(pin_first), probe_feeds, pin_sessions)
         values = {name: array for name, array in probed.items()
                   if np.issubdtype(array.dtype, np.integer) and array.size <= _SMALL_INT_ELEMENTS}
         _pin_constants(concrete, values)

@@ -196,10 +196,10 @@ class GraphRunner:
         self.fetches = fetches
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
-        # The same sessions by what they run (block_content_key, options): a new recompute
+        # The same sessions by what they run (block_content_key): a new recompute
         # plan's graph shares most blocks with earlier plans (the state updates' block, cut
         # off, is the same in every plan: 1,650 nodes of bert small, ~50 ms to create).
-        self._sessions_by_content: dict[tuple[bytes, bool, bool], BlockSession] = {}
+        self._sessions_by_content: dict[bytes, BlockSession] = {}
         self.sessions_shared = 0  # blocks of a new graph served by an existing session
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
@@ -357,7 +357,7 @@ class GraphRunner:
         """The schedule position where ``model``'s state updates begin, if they trail its
         backward (:func:`graph_passes.schedule.updates_start`); None where they do not, for a
         graph without gradients, or where the blocks are fixed (by the device's block size or
-        the graph's swap nodes). Read once per model, as :meth:`_node_io`."""
+        the graph's swap nodes). Read once per model, as :meth:`node_io_of`."""
         if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
             return None
         entry = self._updates_cut_of.get(id(model))
@@ -621,13 +621,13 @@ class GraphRunner:
             # ~25 ms a step), and a pool still spinning after its block steals the next one's cores.
             serial = any(is_order_dependent(model.graph.node[i]) for i in block.node_indices)
             sub = block_model(model, block, elem_types)
-            spinning = len(block.node_indices) > 1 and not serial
-            content = (block_content_key(sub), spinning, serial)
+            content = block_content_key(sub)  # the options below follow from the nodes alone
             session = self._sessions_by_content.get(content)
             if session is None:
                 session = BlockSession(
                     model, block, elem_types,
-                    session_options=self.runtime.session_options(spinning=spinning, serial=serial),
+                    session_options=self.runtime.session_options(spinning=len(block.node_indices) > 1 and not serial,
+                                                                 serial=serial),
                     providers=self.runtime.device.providers, sub=sub,
                 )
                 self._sessions_by_content[content] = session
