@@ -494,7 +494,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
                 "baseline_peak_bytes": base_peak,
                 "peak_over_baseline_peak": peak / base_peak if peak and base_peak else None,
                 "max_loss_abs_diff": _max_abs_diff(runner.losses, reference_losses),
-                "arena_buffer_bytes": int(arena.buffer.size),
+                "arena_buffer_bytes": int(arena.reserved_bytes),
                 "arena_high_water_bytes": int(arena.high_water),
                 "arena_compactions": int(arena.compactions),
                 "step_times_s": times,

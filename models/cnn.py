@@ -1,6 +1,6 @@
 """ResNet-style CNN image classifier with BatchNorm.
 
-Owns the CNN config, its named configs (``tiny``, ``small``), the residual block and model, and
+Owns the CNN config, its named configs (``tiny``, ``small``, ``medium``), the residual block and model, and
 the synthetic batch generator. Input ``x[B, in_channels, H, W]`` float32, target ``y[B]`` int64.
 Only the batch axis is dynamic.
 
@@ -45,6 +45,8 @@ class CNNConfig:
 CONFIGS: dict[str, CNNConfig] = {
     "tiny": CNNConfig(layers=3, channels=8, image_size=16, classes=10),
     "small": CNNConfig(layers=4, channels=32, image_size=32, classes=10),
+    # GPU-sized: wide residual blocks on 64x64 images.
+    "medium": CNNConfig(layers=8, channels=128, image_size=64, classes=100),
 }
 
 

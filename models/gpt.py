@@ -1,6 +1,6 @@
 """GPT-style decoder language model (pre-LN transformer, causal attention).
 
-Owns the GPT config, its named configs (``tiny``, ``small``), the modules (attention, block,
+Owns the GPT config, its named configs (``tiny``, ``small``, ``medium``), the modules (attention, block,
 model), the next-token loss and the synthetic batch generator. Input ``ids[B, S]`` int64,
 target ``targets[B, S]`` int64 (the input shifted by one token). The sequence axis is dynamic
 up to ``config.seq``: positions come from ``torch.arange(S)``.
@@ -63,6 +63,8 @@ class GPTConfig:
 CONFIGS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(layers=2, d_model=32, heads=2, vocab=64, seq=16),
     "small": GPTConfig(layers=4, d_model=256, heads=4, vocab=512, seq=128),
+    # GPU-sized: steps compute-bound on an H100 (~92M parameters with embeddings).
+    "medium": GPTConfig(layers=12, d_model=768, heads=12, vocab=8192, seq=512),
 }
 
 

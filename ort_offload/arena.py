@@ -2,9 +2,10 @@
 placement policies that steer where each tensor goes.
 
 Tensors live at offsets of a single byte buffer; :class:`graph_passes.memory.BestFitAllocator`
-decides where (the same arithmetic the analyses replay). Views of the buffer are handed to
+decides where (the same arithmetic the analyses replay). Pointers into the buffer are handed to
 ONNX Runtime through IOBinding, so block inputs are read from and outputs written into the arena
-without copies.
+without copies. The buffer's memory (host RAM, or GPU memory) is a backend's
+(:mod:`ort_offload.device_memory`).
 
 Policies (:data:`ARENA_POLICIES`, chosen with ``set_offload_device(arena_policy=...)``):
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from graph_passes.memory import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.shapes import TensorInfo
+from ort_offload.device_memory import DeviceMemory, NumpyMemory
 
 __all__ = ["ARENA_POLICIES", "BestFitPolicy", "DeviceArena", "DoubleBufferPolicy", "OutOfArenaMemory", "make_policy"]
 
@@ -69,18 +71,28 @@ def make_policy(name: str, *, usable: int | None, alignment: int = DEFAULT_ALIGN
 
 
 class DeviceArena:
-    """A budget-capped byte buffer holding named tensors."""
+    """A budget-capped buffer holding named tensors, in the memory of ``memory``
+    (:mod:`ort_offload.device_memory`: host RAM for the CPU device, a torch allocation for
+    CUDA).
 
-    def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, growable: bool = False) -> None:
+    Host memory is reserved at the cap up front (its pages are touched only when used). Device
+    memory is reserved as far as the tensors reach (at least ``reserve`` bytes, the planned
+    extent), so what the device counter sees is what the plan placed, not the whole budget.
+    """
+
+    def __init__(self, capacity: int, *, alignment: int = DEFAULT_ALIGNMENT, growable: bool = False,
+                 memory: DeviceMemory | None = None) -> None:
         self.alignment = alignment
         self.growable = growable
+        self.memory = memory if memory is not None else NumpyMemory()
+        self.eager = getattr(self.memory, "is_host", True)
         self.before_move = None  # called before bytes move (compaction, growth): copies must finish first
         self.allocator = BestFitAllocator(capacity, alignment=alignment)
-        self._raw = np.empty(0, dtype=np.uint8)
-        self.buffer = self._raw
+        self.buffer = self.memory.allocate(0, alignment)
         self._infos: dict[str, TensorInfo] = {}
         self.compactions = 0
-        self._reserve(capacity)
+        self.regrowths = 0
+        self._reserve(capacity if self.eager else 0)
 
     # ---- capacity ------------------------------------------------------------------------
 
@@ -88,16 +100,29 @@ class DeviceArena:
     def capacity(self) -> int:
         return self.allocator.capacity
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the buffer holds now (device memory taken, on CUDA)."""
+        return self.memory.size(self.buffer)
+
     def set_capacity(self, capacity: int) -> None:
-        """Change the cap (a new program reserves a different workspace); grows the buffer,
+        """Change the cap (a new program reserves a different workspace); grows a host buffer,
         keeping every tensor at its offset."""
         if capacity < self.allocator.high_water_live():
             raise OutOfArenaMemory("<resize>", capacity, self.allocator.in_use, capacity)
-        if capacity > self.buffer.size:
+        if self.eager and capacity > self.reserved_bytes:
             self._reserve(capacity)
-        if self.growable:
-            capacity = self.buffer.size  # never cap a growable arena below what it already has
+        if self.growable and self.eager:
+            capacity = self.reserved_bytes  # never cap a growable arena below what it already has
         self.allocator.capacity = capacity
+
+    def reserve(self, nbytes: int) -> None:
+        """Back at least ``nbytes`` (at most the cap) with memory now, so the tensors of a
+        planned extent do not grow the buffer step by step."""
+        cap = self.allocator.capacity
+        nbytes = nbytes if cap is None else min(nbytes, cap)
+        if nbytes > self.reserved_bytes:
+            self._reserve(nbytes)
 
     def limit(self, capacity: int) -> None:
         """Cap the arena at ``capacity`` bytes from now on (the budget less the workspace of
@@ -105,22 +130,28 @@ class DeviceArena:
         has no cap."""
         if self.growable:
             return
-        if capacity > self.buffer.size:
+        if self.eager and capacity > self.reserved_bytes:
             self._reserve(capacity)
         self._move(self.allocator.limit(capacity))
 
     def _reserve(self, capacity: int) -> None:
-        # Over-allocate by one alignment unit so offset 0 is aligned; np.empty does not touch
-        # the pages, so an unused budget costs address space, not RAM.
         if self.before_move is not None and self.allocator.in_use:
             self.before_move()  # the buffer is about to be replaced: no copy may be writing into it
-        raw = np.empty(capacity + self.alignment, dtype=np.uint8)
-        shift = (-raw.ctypes.data) % self.alignment
-        buffer = raw[shift : shift + capacity]
-        live_end = self.allocator.high_water_live()
+        buffer = self.memory.allocate(capacity, self.alignment)
+        live_end = min(self.allocator.high_water_live(), self.reserved_bytes)  # a new tensor has no bytes yet
         if live_end:
-            buffer[:live_end] = self.buffer[:live_end]
-        self._raw, self.buffer = raw, buffer
+            self.memory.copy_prefix(self.buffer, buffer, live_end)
+            self.regrowths += 1
+        self.buffer = buffer
+
+    def _back(self) -> None:
+        """Grow a device buffer to cover the highest live tensor (by a quarter at least, so
+        drift costs few copies)."""
+        end = self.allocator.high_water_live()
+        if end > self.reserved_bytes:
+            target = max(end, self.reserved_bytes + self.reserved_bytes // 4)
+            cap = self.allocator.capacity
+            self._reserve(target if cap is None or self.growable else max(end, min(target, cap)))
 
     # ---- tensors -------------------------------------------------------------------------
 
@@ -132,11 +163,17 @@ class DeviceArena:
             except OutOfArenaMemory:
                 # Grow geometrically from the buffer (not the cap) so drift costs few copies.
                 size = align_up(info.nbytes, self.alignment)
-                self.set_capacity(max(self.buffer.size + self.buffer.size // 4, self.allocator.high_water_live() + size))
+                grown = max(self.reserved_bytes + self.reserved_bytes // 4, self.allocator.high_water_live() + size)
+                if self.eager:
+                    self.set_capacity(grown)
+                else:
+                    self.allocator.capacity = grown
                 self.allocator.allocate(name, info.nbytes)
         else:
             self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
         self._infos[name] = info
+        if not self.eager:
+            self._back()
 
     def allocate_view(self, name: str, info: TensorInfo, pieces, *, region: tuple[int, int] | None = None) -> None:
         """Place ``name`` and divide it into ``pieces`` ((name, TensorInfo) in order, back to
@@ -156,8 +193,7 @@ class DeviceArena:
         if moves and self.before_move is not None:
             self.before_move()
         for name, old, new in moves:
-            nbytes = self.allocator.placement(name).nbytes
-            self.buffer[new : new + nbytes] = self.buffer[old : old + nbytes]
+            self.memory.move(self.buffer, old, new, self.allocator.placement(name).nbytes)
         if moves:
             self.compactions += 1
 
@@ -178,20 +214,41 @@ class DeviceArena:
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
+    def offset(self, name: str) -> int:
+        return self.allocator.placement(name).offset
+
     def view(self, name: str) -> np.ndarray:
-        """The tensor as a numpy array over arena memory (no copy)."""
-        info = self._infos[name]
-        offset = self.allocator.placement(name).offset
-        flat = self.buffer[offset : offset + info.nbytes].view(info.dtype)
-        return flat.reshape(info.shape)
+        """The tensor as a numpy array over arena memory (no copy; host memory only)."""
+        if not self.eager:
+            raise TypeError("device memory has no numpy view: use read() or write()")
+        return self.memory.view(self.buffer, self.offset(name), self._infos[name])
 
     def pointer(self, name: str) -> int:
-        return self.buffer.ctypes.data + self.allocator.placement(name).offset
+        return self.memory.pointer(self.buffer, self.offset(name))
+
+    def read(self, name: str) -> np.ndarray:
+        """A host copy of the tensor."""
+        return self.memory.read(self.buffer, self.offset(name), self._infos[name])
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        """Overwrite the tensor with ``array`` (its dtype and shape)."""
+        self.memory.write(self.buffer, self.offset(name), np.asarray(array, dtype=self._infos[name].dtype))
+
+    def uploader(self, name: str, array: np.ndarray):
+        """A copy of host ``array`` into the tensor, to run later (on a copy engine): its place
+        is taken now (bytes move only after copies drain)."""
+        memory, buffer, offset = self.memory, self.buffer, self.offset(name)
+        return lambda: memory.upload(buffer, offset, array)
+
+    def downloader(self, name: str, target: np.ndarray):
+        """A copy of the tensor into host ``target``, to run later (on a copy engine)."""
+        memory, buffer, offset = self.memory, self.buffer, self.offset(name)
+        return lambda: memory.download(buffer, offset, target)
 
     def store(self, name: str, array: np.ndarray) -> None:
         """Allocate ``name`` and copy ``array`` into it."""
         self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
-        self.view(name)[...] = array
+        self.write(name, array)
 
     @property
     def in_use(self) -> int:

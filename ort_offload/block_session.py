@@ -100,17 +100,22 @@ class BlockSession:
         self.binding = self.session.io_binding()
         self._bound: dict[str, tuple] = {}
 
-    def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo]) -> None:
-        """Run the block reading inputs at and writing outputs to the given arena pointers."""
+    def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo], backend=None) -> None:
+        """Run the block reading inputs at and writing outputs to the given arena pointers
+        (in the memory of ``backend``, a :class:`~ort_offload.device_backend.DeviceBackend`;
+        None: host memory). On a device the run is queued on its compute stream and returns
+        without waiting for it."""
+        device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
         binding = self.binding
         for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
             for name in names:
                 info = infos[name]
                 key = (pointers[name], info.shape)
                 if self._bound.get(name) != key:  # rebind only what moved or changed shape
-                    bind(name, "cpu", 0, info.dtype, list(info.shape), pointers[name])
+                    bind(name, device, device_id, info.dtype, list(info.shape), pointers[name])
                     self._bound[name] = key
-        self.session.run_with_iobinding(binding)
+        run_options = None if backend is None else backend.run_options
+        self.session.run_with_iobinding(binding, run_options)
 
 
 

@@ -55,6 +55,11 @@ class CopyEngine:
         future.result()  # re-raises a failed copy
         return time.perf_counter() - started, done
 
+    def consume(self, name: str) -> tuple[float, bool]:
+        """Make ``name``'s copy visible to the next block: here, wait for it (a device's
+        stream engine only orders the compute stream after it)."""
+        return self.wait(name)
+
     def drain(self) -> float:
         """Wait for every copy in flight (before bytes move or the step ends); seconds waited."""
         waited = 0.0

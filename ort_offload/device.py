@@ -3,13 +3,13 @@
 ``set_offload_device("cpu", budget="64MiB")`` returns an :class:`OffloadDevice`. The CPU device
 is a real, budget-capped :class:`~ort_offload.arena.DeviceArena` plus a
 :class:`~ort_offload.host_store.HostStore`; blocks run on ONNX Runtime's CPU execution provider.
+``set_offload_device("cuda", device_id=0)`` (or ``"cuda:1"``) puts the arena in GPU memory and
+runs blocks on ONNX Runtime's CUDA execution provider (:mod:`ort_offload.device_backend`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import onnxruntime as ort
 
 from graph_passes.device_profiles import profile_names
 from graph_passes.memory import DEFAULT_ALIGNMENT
@@ -17,7 +17,7 @@ from ort_offload.arena import ARENA_POLICIES
 from ort_offload.budget import Budget, parse_budget
 from ort_offload.errors import UnknownDeviceError
 
-SUPPORTED_DEVICES = ("cpu",)
+SUPPORTED_DEVICES = ("cpu", "cuda")
 RECOMPUTE_POLICIES = ("input_aware", "static")
 
 
@@ -31,6 +31,7 @@ class OffloadDevice:
     """
 
     kind: str = "cpu"
+    device_id: int = 0  # which GPU, for kind "cuda"
     budget: Budget | None = None
     max_block_nodes: int | None = None
     alignment: int = DEFAULT_ALIGNMENT
@@ -59,17 +60,19 @@ class OffloadDevice:
         return self.async_swap_outs if self.async_swap_outs is not None else self.kind != "cpu"
 
     @property
-    def providers(self) -> list[str]:
-        return ["CPUExecutionProvider"]
+    def name(self) -> str:
+        """``cpu`` or ``cuda:N``."""
+        return f"cuda:{self.device_id}" if self.kind == "cuda" else self.kind
 
     def describe(self) -> str:
-        return f"{self.kind} (budget {self.budget if self.budget is not None else 'unlimited'})"
+        return f"{self.name} (budget {self.budget if self.budget is not None else 'unlimited'})"
 
 
 def set_offload_device(
     kind: str = "cpu",
     *,
     budget: str | int | Budget | None = None,
+    device_id: int | None = None,
     max_block_nodes: int | None = None,
     intra_op_threads: int = 0,
     drop_prefetches: bool = False,
@@ -79,14 +82,20 @@ def set_offload_device(
     recompute_policy: str = "input_aware",
     selective_recompute: bool = True,
 ) -> OffloadDevice:
-    """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak)."""
+    """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak).
+
+    ``kind`` is ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``device_id`` picks the GPU too). A CUDA
+    device needs onnxruntime-gpu and a GPU; without them this raises UnknownDeviceError."""
     name = str(kind).strip().lower()
+    index = 0
     if name.startswith("cuda"):
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise UnknownDeviceError(
-                f"device {kind!r} needs onnxruntime-gpu with CUDA, which this installation lacks; use 'cpu'"
-            )
-        raise UnknownDeviceError(f"device {kind!r}: the CUDA device is not implemented yet; use 'cpu'")
+        from ort_offload.device_backend import check_cuda, parse_cuda_kind
+
+        index = parse_cuda_kind(name, device_id)
+        check_cuda(index)
+        name = "cuda"
+    elif device_id not in (None, 0):
+        raise UnknownDeviceError(f"device_id={device_id} needs a CUDA device: use kind 'cuda'")
     if name not in SUPPORTED_DEVICES:
         raise UnknownDeviceError(f"unknown device {kind!r}: use one of {', '.join(SUPPORTED_DEVICES)}")
     if max_block_nodes is not None and max_block_nodes < 1:
@@ -100,7 +109,7 @@ def set_offload_device(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"
         )
     return OffloadDevice(
-        kind=name, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
+        kind=name, device_id=index, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
         selective_recompute=selective_recompute,

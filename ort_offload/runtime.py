@@ -41,8 +41,8 @@ from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.block_session import BlockSession, block_content_key, block_model, default_session_options
 from ort_offload.budget import format_bytes
-from ort_offload.copy_engine import CopyEngine
 from ort_offload.device import OffloadDevice
+from ort_offload.device_backend import DeviceBackend, make_backend
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.gc_pause import collection_paused
 from ort_offload.host_store import HostStore
@@ -55,7 +55,8 @@ logger = logging.getLogger(__name__)
 class RuntimeStats:
     """What the runtime measured; feeds the report."""
 
-    peak_device_bytes: int = 0
+    peak_device_bytes: int = 0  # arena extent + the running block's workspace, as the plan accounts it
+    measured_device_bytes: int | None = None  # the device's own counter, less its fixed overhead (CUDA)
     plan_time_s: float = 0.0
     blocks_run: int = 0
     swap_out_bytes: int = 0
@@ -91,28 +92,32 @@ class PreparedStep:
 class Runtime:
     """One device's memory (arena + host store) shared by every graph that runs on it."""
 
-    def __init__(self, device: OffloadDevice) -> None:
+    def __init__(self, device: OffloadDevice, *, backend: DeviceBackend | None = None) -> None:
+        """``backend``: the device's memory, copy engines and providers (default: the one
+        ``device.kind`` names; tests pass :func:`~ort_offload.device_backend.stream_backend`)."""
         self.device = device
-        self.host = HostStore()
+        self.backend = backend if backend is not None else make_backend(device.kind, device.device_id)
+        self.host = HostStore(self.backend.memory.host_empty)
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
-        self.copy_engine = CopyEngine("h2d")  # swap-ins
-        self.evict_engine = CopyEngine("d2h")  # swap-outs
+        self.copy_engine = self.backend.h2d  # swap-ins
+        self.evict_engine = self.backend.d2h  # swap-outs
         self._planning_profile: DeviceProfile | None = None
 
     def planning_profile(self) -> DeviceProfile:
         """The profile plans are timed on: the device's ``planning_profile``, else this device
-        itself (the CPU, measured once per machine and cached)."""
+        itself (the CPU, measured once per machine and cached; a GPU by its name)."""
         if self._planning_profile is None:
-            self._planning_profile = get_profile(self.device.planning_profile or self.device.kind)
+            self._planning_profile = get_profile(self.device.planning_profile or self.backend.profile_name)
         return self._planning_profile
 
     def session_options(self, *, spinning: bool, serial: bool = False):
         """Options for a block session: ``spinning`` while it runs (it stops when the run
         returns); order-dependent blocks run on one thread so every run sums in the same order."""
         threads = 1 if serial else self.device.intra_op_threads
-        return default_session_options(intra_op_threads=threads, spinning=spinning)
+        # On a GPU the host only launches kernels: a spinning pool would take cores for nothing.
+        return default_session_options(intra_op_threads=threads, spinning=spinning and self.device.kind == "cpu")
 
     def resolve_budget(self, baseline_peak_bytes: int) -> int | None:
         """Bytes of the budget; a fraction resolves against the first unplanned peak seen."""
@@ -126,15 +131,20 @@ class Runtime:
         """Put the trainer's state into a fresh arena, packed in ``order``; ``host`` names
         state a swap plan keeps in the host store between steps."""
         # Without a budget the arena grows when it must; with one it compacts instead.
-        self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None)
-        for name in order:
-            self.arena.store(name, state[name])
+        self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None,
+                                 memory=self.backend.memory)
+        with self.backend.on_compute_stream():
+            for name in order:
+                self.arena.store(name, state[name])
         for name in host:
             self.host.put(name, state[name])
 
     def view(self, name: str) -> np.ndarray:
-        """The tensor where it is now (arena memory or the host store); do not keep it."""
-        return self.arena.view(name) if name in self.arena else self.host.get(name)
+        """The tensor where it is now (arena memory or the host store; a host copy where the
+        arena is device memory); do not keep it."""
+        if name not in self.arena:
+            return self.host.get(name)
+        return self.arena.view(name) if self.arena.eager else self.read(name)
 
     def info(self, name: str) -> TensorInfo:
         if name in self.arena:
@@ -144,14 +154,21 @@ class Runtime:
 
     def read(self, name: str) -> np.ndarray:
         """A copy of a state tensor, wherever it lives."""
-        return self.view(name).copy()
+        if name not in self.arena:
+            return self.host.get(name).copy()
+        with self.backend.on_compute_stream():
+            return self.arena.read(name)
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Overwrite a state tensor in place (same dtype and shape)."""
-        view = self.view(name)
-        if view.shape != array.shape or view.dtype != array.dtype:
-            raise ValueError(f"{name}: expected {view.dtype}{list(view.shape)}, got {array.dtype}{list(array.shape)}")
-        view[...] = array
+        info = self.info(name)
+        if info.shape != tuple(array.shape) or info.dtype != array.dtype:
+            raise ValueError(f"{name}: expected {info.dtype}{list(info.shape)}, got {array.dtype}{list(array.shape)}")
+        if name not in self.arena:
+            self.host.get(name)[...] = array
+            return
+        with self.backend.on_compute_stream():
+            self.arena.write(name, array)
 
 
 # Block sizes tried, largest first, when the device leaves the choice to the runtime: fewer,
@@ -628,7 +645,7 @@ class GraphRunner:
                     model, block, elem_types,
                     session_options=self.runtime.session_options(spinning=len(block.node_indices) > 1 and not serial,
                                                                  serial=serial),
-                    providers=self.runtime.device.providers, sub=sub,
+                    providers=self.runtime.backend.providers, sub=sub,
                 )
                 self._sessions_by_content[content] = session
             else:
@@ -641,6 +658,8 @@ class GraphRunner:
         runtime = self.runtime
         arena = runtime.arena
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
+        if not arena.eager:
+            arena.reserve(prepared.trace.arena_high_water)
         started = time.perf_counter()
         execution = _StepExecution(self, prepared, feeds)
         handlers = {
@@ -648,9 +667,10 @@ class GraphRunner:
             SwapOut: execution.swap_out, SwapIn: execution.swap_in,
         }
         try:
-            for step in prepared.program.steps:
-                handlers[type(step)](step)
-            execution.finish()
+            with runtime.backend.on_compute_stream():
+                for step in prepared.program.steps:
+                    handlers[type(step)](step)
+                execution.finish()
         except OutOfArenaMemory as e:
             execution.finish()
             self._abort(prepared.program)
@@ -665,6 +685,9 @@ class GraphRunner:
         runtime.stats.blocks_run += len(prepared.program.blocks)
         runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, execution.peak)
         self.step_times_s.append(time.perf_counter() - started)
+        if runtime.backend.used_bytes is not None:  # the device's counter: its arenas keep their high water
+            measured = runtime.backend.used_bytes()
+            runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
         return execution.fetched
 
     def _abort(self, program: Program) -> None:
@@ -779,7 +802,7 @@ class _StepExecution:
     def load(self, step: Load) -> None:
         self._cap(0)
         self._allocate(step.name, self.first_reader.get(id(step)))
-        self.arena.view(step.name)[...] = self.feeds[step.name]
+        self.arena.write(step.name, self.feeds[step.name])
         self._measure(0)
 
     def _ensure_resident(self, names, where: str) -> None:
@@ -789,7 +812,7 @@ class _StepExecution:
             if name in self.leaving:  # on its way out (a plan would have swapped it back in)
                 self._release(name)
             if self.copies.in_flight(name):
-                waited, arrived = self.copies.wait(name)
+                waited, arrived = self.copies.consume(name)
                 self.stats.swap_time_s += waited
                 self.stats.prefetch_hits += arrived
             elif name not in self.arena:
@@ -802,7 +825,7 @@ class _StepExecution:
     def _copy_in(self, name: str) -> None:
         started = time.perf_counter()
         self._allocate(name, self.block)
-        self.arena.view(name)[...] = self.host.get(name)
+        self.arena.write(name, self.host.get(name))
         self.stats.swap_in_bytes += self.infos[name].nbytes
         self.stats.swap_time_s += time.perf_counter() - started
 
@@ -824,7 +847,7 @@ class _StepExecution:
         self._measure(workspace)
         pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in block.inputs + block.outputs}
         try:
-            session.run(pointers, self.infos)
+            session.run(pointers, self.infos, self.runtime.backend)
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExecutionError(
@@ -837,7 +860,7 @@ class _StepExecution:
 
     def fetch(self, step: Fetch) -> None:
         self._ensure_resident([step.name], f"fetch {step.name}")
-        self.fetched[step.name] = self.arena.view(step.name).copy()
+        self.fetched[step.name] = self.arena.read(step.name)
         if step.free:
             self.arena.free(step.name)
             self.host.discard(step.name)
@@ -849,15 +872,16 @@ class _StepExecution:
         if self.copies.in_flight(name):
             self.stats.swap_time_s += self.copies.wait(name)[0]
         if step.copy or name not in self.host:
-            source = self.arena.view(name)
-            target = np.empty(source.shape, dtype=source.dtype)
+            target = self.runtime.backend.memory.host_empty(self.arena.info(name))
+            copy = self.arena.downloader(name, target)
             self.stats.swap_out_bytes += self.infos[name].nbytes
             if self.async_swap_outs:  # on the device→host engine; the bytes are freed when done
                 self.leaving[name] = target
-                self.evictions.submit(name, lambda: np.copyto(target, source))
+                self.evictions.submit(name, copy)
                 return
             started = time.perf_counter()
-            np.copyto(target, source)
+            copy()
+            self.runtime.backend.synchronize()
             self.host.adopt(name, target)
             self.stats.swap_time_s += time.perf_counter() - started
         self.arena.free(name)  # copied, or the host copy was current: a drop
@@ -871,8 +895,7 @@ class _StepExecution:
         if name not in self.arena:  # resident already if another signature's plan kept it
             self._cap(0)
             self._allocate(name, self.first_reader.get(id(step)))  # bytes reserved at issue
-            target, source = self.arena.view(name), self.host.get(name)
-            self.copies.submit(name, lambda: np.copyto(target, source))
+            self.copies.submit(name, self.arena.uploader(name, self.host.get(name)))
             self.stats.swap_ins += 1
             self.stats.swap_in_bytes += self.infos[name].nbytes
             self._measure(0)

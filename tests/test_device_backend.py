@@ -1,0 +1,187 @@
+"""The CUDA device's device-independent parts, on the CPU: stream copy engines ordered by events,
+an arena in torch memory reserved as far as its tensors reach, and training through that path
+bitwise equal to the CPU device."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import ort_offload
+from graph_passes.shapes import TensorInfo
+from helpers import train_ort
+from ort_offload import runtime as runtime_module
+from ort_offload.arena import DeviceArena
+from ort_offload.device_backend import gpu_profile_name, parse_cuda_kind, stream_backend
+from ort_offload.device_memory import NumpyMemory, TorchMemory
+from ort_offload.errors import UnknownDeviceError
+from ort_offload.streams import StreamCopyEngine
+
+
+class _RecordingEvent:
+    def __init__(self, log, finished):
+        self.log, self.finished, self.stream = log, finished, None
+
+    def record(self, stream):
+        self.stream = stream
+        self.log.append(("record", stream))
+
+    def query(self):
+        return self.finished
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.stream))
+        self.finished = True
+
+
+class _RecordingStreams:
+    """Streams that log what the engine asks of them; events finish when synchronized."""
+
+    def __init__(self):
+        self.log, self.compute, self.current, self.made = [], "compute", "compute", 0
+
+    def new_stream(self):
+        self.made += 1
+        return f"copy{self.made}"
+
+    def new_event(self):
+        return _RecordingEvent(self.log, finished=False)
+
+    @contextlib.contextmanager
+    def using(self, stream):
+        previous, self.current = self.current, stream
+        yield
+        self.current = previous
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait", stream, event.stream))
+
+    def synchronize(self):
+        self.log.append(("device synchronize",))
+
+    def pointer(self, stream):
+        return None
+
+
+def test_a_stream_copy_starts_after_the_compute_stream_and_is_consumed_on_the_device():
+    streams = _RecordingStreams()
+    engine = StreamCopyEngine("h2d", streams)
+    ran_on = []
+    engine.submit("x", lambda: ran_on.append(streams.current))
+    assert ran_on == ["copy1"]  # issued on the engine's own stream
+    assert streams.log[:2] == [("record", "compute"), ("wait", "copy1", "compute")]
+    assert streams.log[2] == ("record", "copy1")  # the completion event
+    assert engine.in_flight("x") and not engine.done("x")
+    waited, finished = engine.consume("x")
+    assert (waited, finished) == (0.0, False)
+    assert streams.log[-1] == ("wait", "compute", "copy1")  # the compute stream waits, not the host
+    assert not any(entry[0] == "synchronize" for entry in streams.log)
+    assert not engine.in_flight("x")
+
+
+def test_a_stream_copy_the_host_needs_is_waited_for_on_the_host():
+    streams = _RecordingStreams()
+    engine = StreamCopyEngine("d2h", streams)
+    engine.submit("y", lambda: None)
+    engine.submit("z", lambda: None)
+    assert engine.pending() == ["y", "z"]
+    _, finished = engine.wait("y")
+    assert not finished and ("synchronize", "copy1") in streams.log
+    engine.drain()
+    assert engine.pending() == []
+
+
+@pytest.mark.parametrize("memory", [NumpyMemory(), TorchMemory("cpu")], ids=["numpy", "torch"])
+def test_arena_bytes_round_trip_through_either_memory(memory):
+    arena = DeviceArena(1 << 16, memory=memory)
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    b = np.array([True, False, True])
+    arena.store("a", a)
+    arena.store("b", b)
+    arena.store("c", np.ones(5, dtype=np.int64))
+    arena.free("a")
+    arena.compact()  # moves b and c down over a's place
+    np.testing.assert_array_equal(arena.read("b"), b)
+    np.testing.assert_array_equal(arena.read("c"), np.ones(5, dtype=np.int64))
+    target = memory.host_empty(TensorInfo(np.dtype(np.int64), (5,)))
+    arena.downloader("c", target)()
+    np.testing.assert_array_equal(target, np.ones(5, dtype=np.int64))
+    arena.uploader("c", np.full(5, 7, dtype=np.int64))()
+    np.testing.assert_array_equal(arena.read("c"), np.full(5, 7, dtype=np.int64))
+
+
+def test_a_device_arena_reserves_what_its_tensors_reach_not_the_budget():
+    arena = DeviceArena(64 << 20, memory=TorchMemory("cpu"))
+    assert arena.reserved_bytes == 0
+    arena.store("w", np.ones(1000, dtype=np.float32))
+    assert 4000 <= arena.reserved_bytes < 64 << 20
+    arena.store("v", np.full(300_000, 2.0, dtype=np.float32))  # grows, keeping w in place
+    assert arena.reserved_bytes >= arena.allocator.high_water_live()
+    np.testing.assert_array_equal(arena.read("w"), np.ones(1000, dtype=np.float32))
+    np.testing.assert_array_equal(arena.read("v"), np.full(300_000, 2.0, dtype=np.float32))
+    arena.reserve(8 << 20)
+    assert arena.reserved_bytes == 8 << 20
+    assert arena.regrowths >= 1
+
+
+def test_a_host_arena_reserves_its_cap_at_once():
+    arena = DeviceArena(1 << 20, memory=NumpyMemory())
+    assert arena.reserved_bytes == 1 << 20
+
+
+@contextlib.contextmanager
+def stream_path():
+    """Trainers made inside run the CUDA device's path (torch memory, stream copy engines)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime_module, "make_backend", lambda kind, device_id=0: stream_backend())
+        yield
+
+
+@pytest.mark.parametrize("budget,options", [
+    (None, {}),
+    ("0.5x", {"async_swap_outs": True}),
+    ("0.7x", {"passes": "recompute"}),
+], ids=["unlimited", "swap-async", "recompute"])
+def test_training_through_the_stream_path_is_bitwise_the_cpu_device(budget, options):
+    reference = train_ort("gpt", optimizer="adamw", steps=3, budget=budget, **options)
+    with stream_path():
+        run = train_ort("gpt", optimizer="adamw", steps=3, budget=budget, **options)
+    assert isinstance(run.trainer.runtime.arena.memory, TorchMemory)
+    assert run.trainer.report()["within_budget"]
+    assert run.losses == reference.losses
+    for name, value in reference.state.items():
+        np.testing.assert_array_equal(run.state[name], value, err_msg=name)
+
+
+def test_swapped_runs_through_the_stream_path_move_bytes():
+    with stream_path():
+        run = train_ort("gpt", optimizer="adamw", steps=2, budget="0.3x", async_swap_outs=True)
+    report = run.trainer.report()
+    assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0
+    assert report["faults"] == 0 and report["within_budget"]
+
+
+def test_cuda_device_names_parse():
+    assert parse_cuda_kind("cuda", None) == 0
+    assert parse_cuda_kind("cuda:1", None) == 1
+    assert parse_cuda_kind("cuda", 2) == 2
+    with pytest.raises(UnknownDeviceError):
+        parse_cuda_kind("cuda:x", None)
+    with pytest.raises(UnknownDeviceError):
+        parse_cuda_kind("cuda:1", 0)
+    assert gpu_profile_name("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_profile_name("NVIDIA H200") == "H200"
+
+
+def test_a_cuda_device_without_onnxruntime_gpu_is_one_clear_error():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this environment has onnxruntime-gpu")
+    with pytest.raises(UnknownDeviceError, match="onnxruntime-gpu") as info:
+        ort_offload.set_offload_device("cuda", budget="0.5x")
+    assert "\n" not in str(info.value)
+    with pytest.raises(UnknownDeviceError, match="needs a CUDA device"):
+        ort_offload.set_offload_device("cpu", device_id=1)
