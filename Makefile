@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench zoo zoo-quick clean compat compat-test
+.PHONY: setup run test bench zoo zoo-quick clean compat compat-test setup-gpu test-gpu
 
 setup: $(STAMP)
 
@@ -15,6 +15,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The CUDA device's environment: onnxruntime-gpu (the CUDA 13 build, with the CUDA runtime
+# packages it names) in place of onnxruntime, which provides the same module and cannot share a
+# venv with it. torch from PyPI here is its CUDA build (several GB), which the GPU path uses for
+# device memory, pinned host memory and streams. Our package goes in without its declared
+# dependencies (they name onnxruntime); the others are installed by name.
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_PACKAGES := onnxruntime-gpu[cuda,cudnn]==1.31.1 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 numpy rich \
+	matplotlib pytest hypothesis
+
+setup-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install --quiet torch==2.13.0
+	$(GPU_PY) -m pip install --quiet $(GPU_PACKAGES)
+	$(GPU_PY) -m pip install --quiet --no-deps -e .
+	touch $(GPU_STAMP)
+
+# The GPU tests (tests/gpu; skipped where no GPU or no onnxruntime-gpu is found).
+test-gpu: setup-gpu
+	$(GPU_PY) -m pytest -q tests/gpu
 
 # A second environment for ORT training artifacts (training_model.onnx of generate_artifacts):
 # their com.microsoft gradient ops have kernels only in onnxruntime-training-cpu 1.19.2, which
@@ -68,4 +92,4 @@ zoo-quick: setup
 	$(PY) -m ort_offload zoo --quick --baseline $(ZOO_OUT)/zoo-baseline-quick.json --json $(ZOO_OUT)/zoo-quick.json
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(GPU_VENV) build *.egg-info .pytest_cache

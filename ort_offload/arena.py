@@ -143,6 +143,7 @@ class DeviceArena:
             self.memory.copy_prefix(self.buffer, buffer, live_end)
             self.regrowths += 1
         self.buffer = buffer
+        self.memory.release_cached()
 
     def _back(self) -> None:
         """Grow a device buffer to cover the highest live tensor (by a quarter at least, so
@@ -196,6 +197,7 @@ class DeviceArena:
             self.memory.move(self.buffer, old, new, self.allocator.placement(name).nbytes)
         if moves:
             self.compactions += 1
+            self.memory.release_cached()
 
     def free(self, name: str) -> None:
         self.allocator.free(name)

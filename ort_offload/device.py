@@ -19,6 +19,9 @@ from ort_offload.errors import UnknownDeviceError
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 RECOMPUTE_POLICIES = ("input_aware", "static")
+# cudaMalloc's alignment: every tensor starts where a fresh allocation would, so cuBLAS and
+# cuDNN choose the same kernels in any block as in the unplanned run.
+CUDA_ALIGNMENT = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,7 @@ def set_offload_device(
     async_swap_outs: bool | None = None,
     recompute_policy: str = "input_aware",
     selective_recompute: bool = True,
+    alignment: int | None = None,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak).
 
@@ -108,8 +112,11 @@ def set_offload_device(
         raise UnknownDeviceError(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"
         )
+    if name == "cuda" and alignment is None:
+        alignment = CUDA_ALIGNMENT
     return OffloadDevice(
-        kind=name, device_id=index, budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
+        kind=name, device_id=index, alignment=alignment if alignment is not None else DEFAULT_ALIGNMENT,
+        budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
         selective_recompute=selective_recompute,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import os
 from typing import Any
 
 import onnxruntime as ort
@@ -150,13 +152,26 @@ def _warm_up(providers: list) -> None:
     session.run(None, {"x": np.ones((8, 8), np.float32)})
 
 
-def cuda_backend(device_id: int) -> DeviceBackend:
-    """The CUDA device's backend on GPU ``device_id`` (checked first)."""
-    check_cuda(device_id)
+@dataclasses.dataclass(frozen=True)
+class _CudaEnvironment:
+    """What every CUDA device on one GPU shares in a process: the compute stream, the block
+    sessions' providers, and the memory taken before any tensor of ours (measured once, before
+    the shared ORT arena holds anything)."""
+
+    streams: Any
+    providers: list
+    overhead_bytes: int
+    profile_name: str
+
+
+@functools.cache
+def _cuda_environment(device_id: int) -> _CudaEnvironment:
     import torch
 
     from ort_offload.streams import TorchCudaStreams
 
+    # cuBLAS picks reproducible reductions only with a fixed workspace configuration.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     torch.cuda.init()
@@ -166,21 +181,32 @@ def cuda_backend(device_id: int) -> DeviceBackend:
     _share_cuda_arena(device_id, {k: v for k, v in options.items() if k != "user_compute_stream"})
     _warm_up(providers)
     torch.cuda.synchronize(device_id)
+    return _CudaEnvironment(streams, providers, _process_device_bytes(device_id),
+                            gpu_profile_name(torch.cuda.get_device_name(device_id)))
 
-    def process_bytes() -> int:
-        free, total = torch.cuda.mem_get_info(device_id)
-        return total - free
 
-    overhead = process_bytes()
+def _process_device_bytes(device_id: int) -> int:
+    """Device memory in use on the GPU (the driver's counter)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device_id)
+    return total - free
+
+
+def cuda_backend(device_id: int) -> DeviceBackend:
+    """The CUDA device's backend on GPU ``device_id`` (checked first)."""
+    check_cuda(device_id)
+    env = _cuda_environment(device_id)
     run_options = ort.RunOptions()
     # Blocks are queued on the compute stream back to back; the host waits only where it
     # reads device bytes (fetches, swap-out copies it keeps, checkpoints).
     run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-    memory = TorchMemory(f"cuda:{device_id}")
+    streams = env.streams
     return DeviceBackend(
-        memory, StreamCopyEngine("h2d", streams), StreamCopyEngine("d2h", streams), providers,
-        streams=streams, overhead_bytes=overhead, used_bytes=lambda: process_bytes() - overhead,
-        run_options=run_options, profile_name=gpu_profile_name(torch.cuda.get_device_name(device_id)),
+        TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams), StreamCopyEngine("d2h", streams),
+        env.providers, streams=streams, overhead_bytes=env.overhead_bytes,
+        used_bytes=lambda: _process_device_bytes(device_id) - env.overhead_bytes,
+        run_options=run_options, profile_name=env.profile_name,
     )
 
 

@@ -38,6 +38,7 @@ class DeviceMemory(Protocol):
     def upload(self, buffer, offset: int, array: np.ndarray) -> None: ...
     def download(self, buffer, offset: int, target: np.ndarray) -> None: ...
     def host_empty(self, info: TensorInfo) -> np.ndarray: ...
+    def release_cached(self) -> None: ...
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
@@ -88,6 +89,9 @@ class NumpyMemory:
 
     def host_empty(self, info: TensorInfo) -> np.ndarray:
         return np.empty(info.shape, dtype=info.dtype)
+
+    def release_cached(self) -> None:
+        pass
 
 
 class TorchMemory:
@@ -154,6 +158,12 @@ class TorchMemory:
 
     def download(self, buffer, offset: int, target: np.ndarray) -> None:
         self._host_bytes(target).copy_(buffer[offset : offset + target.nbytes], non_blocking=self.pinned)
+
+    def release_cached(self) -> None:
+        """Give memory torch's caching allocator kept (a replaced buffer, a compaction's
+        temporary) back to the device, so the device counter sees only the arena."""
+        if self.device.type == "cuda":
+            self._torch.cuda.empty_cache()
 
     def host_empty(self, info: TensorInfo) -> np.ndarray:
         """An uninitialised host array, page-locked on CUDA (the array keeps its tensor alive)."""

@@ -243,6 +243,8 @@ class BlockwiseTrainer:
             "recompute_plans": 0,
             "recompute_plan_reuses": 0,
             "recompute_plan_time_s_median": None,
+            "accounted_peak_bytes": peak,
+            "device_overhead_bytes": None,
         }
         assert tuple(report) == REPORT_KEYS
         steps = stats.steps if stats else 0

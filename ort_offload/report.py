@@ -34,6 +34,8 @@ REPORT_KEYS = (
     "recompute_plans",  # extension: recompute plans made (input sizes no cached plan fitted)
     "recompute_plan_reuses",  # extension: new input sizes served by the plan of a similar size
     "recompute_plan_time_s_median",  # extension: choosing segments, per plan made (estimator + bucket rule)
+    "accounted_peak_bytes",  # extension: arena extent + running block's workspace, as plans count them
+    "device_overhead_bytes",  # extension: device memory taken before the first tensor (CUDA context, handles); None on the CPU
 )
 
 

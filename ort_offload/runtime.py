@@ -131,9 +131,9 @@ class Runtime:
         """Put the trainer's state into a fresh arena, packed in ``order``; ``host`` names
         state a swap plan keeps in the host store between steps."""
         # Without a budget the arena grows when it must; with one it compacts instead.
-        self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None,
-                                 memory=self.backend.memory)
         with self.backend.on_compute_stream():
+            self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None,
+                                     memory=self.backend.memory)
             for name in order:
                 self.arena.store(name, state[name])
         for name in host:
@@ -655,6 +655,10 @@ class GraphRunner:
 
     def run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         """Execute one step with batch tensors ``feeds``; returns the fetched outputs."""
+        with self.runtime.backend.on_compute_stream():  # device allocations and copies in stream order
+            return self._run(feeds, prepared)
+
+    def _run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         runtime = self.runtime
         arena = runtime.arena
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
@@ -667,10 +671,9 @@ class GraphRunner:
             SwapOut: execution.swap_out, SwapIn: execution.swap_in,
         }
         try:
-            with runtime.backend.on_compute_stream():
-                for step in prepared.program.steps:
-                    handlers[type(step)](step)
-                execution.finish()
+            for step in prepared.program.steps:
+                handlers[type(step)](step)
+            execution.finish()
         except OutOfArenaMemory as e:
             execution.finish()
             self._abort(prepared.program)

@@ -257,7 +257,10 @@ class OrtTrainer:
         stats = self.runtime.stats
         train_times = self.runner.step_times_s
         budget = self.runtime.budget_bytes
-        peak = stats.peak_device_bytes if train_times else None
+        # The device's own counter where it has one (CUDA), else the arena's accounting.
+        accounted = stats.peak_device_bytes if train_times else None
+        peak = stats.measured_device_bytes if stats.measured_device_bytes is not None else accounted
+        overhead = self.runtime.backend.overhead_bytes if self.runtime.backend.used_bytes is not None else None
         recompute = self.runner.recompute.summary()
         report = {
             "model": self.name,
@@ -283,6 +286,8 @@ class OrtTrainer:
             "recompute_plans": recompute["recompute_plans"],
             "recompute_plan_reuses": recompute["recompute_plan_reuses"],
             "recompute_plan_time_s_median": recompute["plan_time_s_median"],
+            "accounted_peak_bytes": accounted,
+            "device_overhead_bytes": overhead,
         }
         assert tuple(report) == REPORT_KEYS
         return report
