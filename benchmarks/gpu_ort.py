@@ -145,10 +145,11 @@ def plain_session(case: Case, device: str) -> dict:
         providers, where = ["CPUExecutionProvider"], "cpu"
     session = ort.InferenceSession(case.graph.model.SerializeToString(), options, providers=providers)
     loss_name = case.graph.step_fetches[0]
-    times, losses = [], []
+    times, losses, bindings = [], [], []
     state = {n: ort.OrtValue.ortvalue_from_numpy(v, where, 0) for n, v in case.state.items()}
     for step in range(len(case.batches)):
         binding = session.io_binding()
+        bindings.append(binding)  # its outputs feed the next step: it must outlive it
         for n, v in state.items():
             binding.bind_ortvalue_input(n, v)
         for n, v in case.feeds(step).items():

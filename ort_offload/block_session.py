@@ -71,6 +71,25 @@ def block_content_key(sub: onnx.ModelProto) -> bytes:
         sub.graph.name = name
 
 
+# Inputs that ONNX Runtime's CUDA kernels read from host memory (shapes, axes, counts): a block
+# input in such a slot is bound from a host copy on a device, as a whole-graph session would
+# have placed it there.
+HOST_INPUT_SLOTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+    "Slice": (1, 2, 3, 4), "Unsqueeze": (1,), "Squeeze": (1,), "Pad": (1, 2, 3), "Split": (1,),
+    "Resize": (1, 2, 3), "Upsample": (1,), "TopK": (1,), "OneHot": (1,), "Trilu": (1,), "CumSum": (1,),
+    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
+    "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
+}
+
+
+def host_inputs(nodes, inputs) -> set[str]:
+    """The block inputs some node of ``nodes`` reads in a host-memory slot."""
+    inputs = set(inputs)
+    return {node.input[i] for node in nodes for i in HOST_INPUT_SLOTS.get(node.op_type, ())
+            if i < len(node.input) and node.input[i] in inputs}
+
+
 class BlockSession:
     """An ``InferenceSession`` over one block, run with pointer bindings into the arena."""
 
@@ -99,16 +118,24 @@ class BlockSession:
             ) from e
         self.binding = self.session.io_binding()
         self._bound: dict[str, tuple] = {}
+        self.host_inputs = host_inputs(sub.graph.node, block.inputs)
 
-    def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo], backend=None) -> None:
+    def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo], backend=None,
+            host_values: Mapping[str, np.ndarray] | None = None) -> None:
         """Run the block reading inputs at and writing outputs to the given arena pointers
         (in the memory of ``backend``, a :class:`~ort_offload.device_backend.DeviceBackend`;
-        None: host memory). On a device the run is queued on its compute stream and returns
-        without waiting for it."""
+        None: host memory). ``host_values``: host copies of :attr:`host_inputs`, bound instead
+        of their device pointers. On a device the run is queued on its compute stream and
+        returns without waiting for it."""
         device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
         binding = self.binding
+        for name, value in (host_values or {}).items():
+            binding.bind_cpu_input(name, value)
+            self._bound[name] = None
         for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
             for name in names:
+                if host_values and name in host_values:
+                    continue
                 info = infos[name]
                 key = (pointers[name], info.shape)
                 if self._bound.get(name) != key:  # rebind only what moved or changed shape

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 from typing import Any
 
 import onnxruntime as ort
@@ -147,7 +146,7 @@ def _warm_up(providers: list) -> None:
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, 8])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, 8])
     graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "x"], ["y"])], "warm_up", [x], [y])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
     session = ort.InferenceSession(model.SerializeToString(), providers=providers)
     session.run(None, {"x": np.ones((8, 8), np.float32)})
 
@@ -170,8 +169,6 @@ def _cuda_environment(device_id: int) -> _CudaEnvironment:
 
     from ort_offload.streams import TorchCudaStreams
 
-    # cuBLAS picks reproducible reductions only with a fixed workspace configuration.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     torch.cuda.init()

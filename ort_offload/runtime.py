@@ -850,7 +850,8 @@ class _StepExecution:
         self._measure(workspace)
         pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in block.inputs + block.outputs}
         try:
-            session.run(pointers, self.infos, self.runtime.backend)
+            host_values = {} if arena.eager else {n: arena.read(n) for n in session.host_inputs}
+            session.run(pointers, self.infos, self.runtime.backend, host_values)
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExecutionError(

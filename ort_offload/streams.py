@@ -114,6 +114,10 @@ class StreamCopyEngine:
         self.streams = streams
         self.stream = streams.new_stream()
         self._pending: dict[str, Event] = {}
+        # Copies the device may still be running, with what they read or write on the host:
+        # a host array must outlive its copy (torch's pinned-memory cache cannot tell that a
+        # numpy view of its block is in use, and would hand the block out again).
+        self._in_flight: list[tuple[Event, Callable[[], None]]] = []
 
     def submit(self, name: str, copy: Callable[[], None]) -> None:
         """Queue ``copy`` (which issues device copies on the current stream) after the compute
@@ -127,6 +131,8 @@ class StreamCopyEngine:
         done = streams.new_event()
         done.record(self.stream)
         self._pending[name] = done
+        self._in_flight = [(event, held) for event, held in self._in_flight if not event.query()]
+        self._in_flight.append((done, copy))
 
     def in_flight(self, name: str) -> bool:
         return name in self._pending
@@ -162,15 +168,16 @@ class StreamCopyEngine:
 
     def settle(self) -> float:
         started = time.perf_counter()
-        for event in list(self._pending.values()):
+        for event, _ in self._in_flight:
             event.synchronize()
+        self._in_flight.clear()
         return time.perf_counter() - started
 
     def drain(self) -> float:
         waited = 0.0
         for name in list(self._pending):
             waited += self.wait(name)[0]
-        return waited
+        return waited + self.settle()
 
     def close(self) -> None:
         self.settle()
