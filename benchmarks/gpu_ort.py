@@ -133,6 +133,7 @@ def plain_session(case: Case, device: str) -> dict:
     """The whole step as one ORT session (CUDA EP or CPU EP), inputs bound on the device."""
     import onnxruntime as ort
 
+    from ort_offload import optimizers
     from ort_offload.block_session import default_session_options
 
     options = default_session_options(intra_op_threads=0, spinning=False)
@@ -148,6 +149,7 @@ def plain_session(case: Case, device: str) -> dict:
     times, losses, bindings = [], [], []
     state = {n: ort.OrtValue.ortvalue_from_numpy(v, where, 0) for n, v in case.state.items()}
     for step in range(len(case.batches)):
+        state[optimizers.STEP_INPUT] = ort.OrtValue.ortvalue_from_numpy(np.array(step + 1, np.float32), where, 0)
         binding = session.io_binding()
         bindings.append(binding)  # its outputs feed the next step: it must outlive it
         for n, v in state.items():
@@ -213,7 +215,9 @@ def run_model(case: Case, args, out_path: Path) -> None:
             cuda_backend(0)
         except Exception as e:  # our rows will say why; the references still run
             _emit(rows, out_path, {"model": case.name, "row": "cuda backend", "error": f"{type(e).__name__}: {e}"})
-    for budget, passes in ROWS[case.name]:
+    rows_asked = ROWS[case.name] if not args.rows else [
+        (None if b == "unlimited" else b, p) for b, p in (item.split(":") for item in args.rows.split(","))]
+    for budget, passes in rows_asked:
         label = f"ours {budget or 'unlimited'} {passes}"
         if time.perf_counter() - args.started > args.time_limit:
             print(f"time limit reached: skipping {case.name} {label}", flush=True)
@@ -221,8 +225,7 @@ def run_model(case: Case, args, out_path: Path) -> None:
         try:
             report, digests[label] = ours(case, args.device, budget, passes, args.planning_profile)
         except Exception as e:  # a row that cannot run is a result too
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            _emit(rows, out_path, {"model": case.name, "row": label, "error": f"{type(e).__name__}: {first}"})
+            _emit(rows, out_path, {"model": case.name, "row": label, "error": _causes(e)})
             continue
         finally:
             _release_device_memory(args.device)
@@ -234,6 +237,16 @@ def run_model(case: Case, args, out_path: Path) -> None:
     _emit(rows, out_path, {"model": case.name, "row": "torch eager", **eager})
     _compare(rows, digests, plain, eager)
     out_path.write_text(json.dumps(rows, indent=1, default=_json_default) + "\n")
+
+
+def _causes(error: BaseException) -> str:
+    """The error and what it was raised from, one line each, innermost last."""
+    lines = []
+    while error is not None and len(lines) < 4:
+        text = str(error).strip().splitlines()
+        lines.append(f"{type(error).__name__}: {text[0] if text else ''}")
+        error = error.__cause__ or error.__context__
+    return " <- ".join(lines)
 
 
 def _release_device_memory(device: str) -> None:
@@ -311,6 +324,7 @@ def main(argv=None) -> int:
         run.add_argument("--steps", type=int, default=6)
         run.add_argument("--time-limit", type=float, default=400.0, help="seconds; later rows are skipped")
         run.add_argument("--planning-profile", default=None, help="plan on this profile (default: the device's)")
+        run.add_argument("--rows", default=None, help="our rows, e.g. 0.5x:swap,unlimited:none (default: ROWS)")
         run.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y-%m-%d"))
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -338,6 +352,8 @@ def run_all(args) -> int:
                    "--time-limit", str(limit), "--out", str(args.out)]
         if args.planning_profile:
             command += ["--planning-profile", args.planning_profile]
+        if args.rows:
+            command += ["--rows", args.rows]
         try:
             subprocess.run(command, timeout=limit + 120, check=False)
         except subprocess.TimeoutExpired:

@@ -71,9 +71,10 @@ def block_content_key(sub: onnx.ModelProto) -> bytes:
         sub.graph.name = name
 
 
-# Inputs that ONNX Runtime's CUDA kernels read from host memory (shapes, axes, counts): a block
-# input in such a slot is bound from a host copy on a device, as a whole-graph session would
-# have placed it there.
+# Inputs that ONNX Runtime's CUDA kernels read from host memory (shapes, axes, counts). In a
+# whole-graph session the values feeding them come from Shape nodes and initializers, which
+# ORT keeps on the host; cut into blocks, they arrive as block inputs in device memory, and a
+# CUDA kernel refuses them ("Shape must be on CPU").
 HOST_INPUT_SLOTS: dict[str, tuple[int, ...]] = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
     "Slice": (1, 2, 3, 4), "Unsqueeze": (1,), "Squeeze": (1,), "Pad": (1, 2, 3), "Split": (1,),
@@ -81,17 +82,90 @@ HOST_INPUT_SLOTS: dict[str, tuple[int, ...]] = {
     "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
     "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
 }
+SHAPE_OPS = ("Shape", "Size")  # read only their input's shape; their outputs live on the host
+_INTEGER_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
 
 
-def host_inputs(nodes, inputs) -> set[str]:
-    """The block inputs some node of ``nodes`` reads in a host-memory slot."""
+def host_inputs(sub: onnx.ModelProto, inputs) -> frozenset[str]:
+    """The integer block inputs from which a host-memory slot of a node in ``sub`` is reached
+    (through the block's own nodes, not through Shape/Size): on a device they are folded into
+    the block as initializers, so ORT keeps their computation on the host as it would in one
+    session."""
+    nodes = sub.graph.node
     inputs = set(inputs)
-    return {node.input[i] for node in nodes for i in HOST_INPUT_SLOTS.get(node.op_type, ())
-            if i < len(node.input) and node.input[i] in inputs}
+    types = {v.name: v.type.tensor_type.elem_type for v in sub.graph.input}
+    producers = {o: node for node in nodes for o in node.output}
+    stack = [node.input[i] for node in nodes for i in HOST_INPUT_SLOTS.get(node.op_type, ()) if i < len(node.input)]
+    found, seen = set(), set()
+    while stack:
+        name = stack.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        if name in inputs:
+            if types.get(name) in _INTEGER_TYPES:
+                found.add(name)
+        elif name in producers and producers[name].op_type not in SHAPE_OPS:
+            stack.extend(producers[name].input)
+    return frozenset(found)
+
+
+def signature_values(model: onnx.ModelProto) -> frozenset[str]:
+    """Values that depend on the input shapes alone (computed from Shape/Size outputs,
+    constants and initializers): equal in every step of one input signature."""
+    known = {t.name for t in model.graph.initializer}
+    for node in model.graph.node:  # topological
+        if node.op_type in SHAPE_OPS or node.op_type == "Constant" or (
+            node.input and all(not i or i in known for i in node.input)
+            and not node.op_type.startswith("Random")
+        ):
+            known.update(o for o in node.output if o)
+    return frozenset(known)
+
+
+def fold_inputs(sub: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """``sub`` with the inputs in ``values`` turned into initializers holding them."""
+    folded = onnx.ModelProto()
+    folded.CopyFrom(sub)
+    kept = [v for v in folded.graph.input if v.name not in values]
+    del folded.graph.input[:]
+    folded.graph.input.extend(kept)
+    folded.graph.initializer.extend(onnx.numpy_helper.from_array(np.asarray(v), name) for name, v in values.items())
+    return folded
+
+
+def _values_key(values: Mapping[str, np.ndarray]) -> bytes:
+    digest = hashlib.sha256()
+    for name in sorted(values):
+        value = np.ascontiguousarray(values[name])
+        digest.update(f"{name}|{value.dtype}|{value.shape}|".encode())
+        digest.update(value.tobytes())
+    return digest.digest()
+
+
+class _Variant:
+    """One ORT session of a block (with one set of folded values) and its bindings."""
+
+    def __init__(self, model: onnx.ModelProto, block: Block, options, providers) -> None:
+        try:
+            self.session = ort.InferenceSession(
+                model.SerializeToString(), sess_options=options, providers=providers or ["CPUExecutionProvider"]
+            )
+        except Exception as e:
+            raise UnsupportedGraphError(
+                f"ONNX Runtime cannot run block {block.index} ({str(e).splitlines()[0]}); "
+                "the graph uses an op this onnxruntime build has no kernel for"
+            ) from e
+        self.binding = self.session.io_binding()
+        self.bound: dict[str, tuple] = {}
 
 
 class BlockSession:
-    """An ``InferenceSession`` over one block, run with pointer bindings into the arena."""
+    """An ``InferenceSession`` over one block, run with pointer bindings into the arena.
+
+    With ``fold_host_inputs`` (a device whose kernels want shapes on the host), the
+    :attr:`host_inputs` are passed as values to :meth:`run` and folded into the block, one
+    session per distinct set of values."""
 
     def __init__(
         self,
@@ -100,50 +174,52 @@ class BlockSession:
         elem_types: Mapping[str, int],
         *,
         session_options: ort.SessionOptions | None = None,
-        providers: list[str] | None = None,
+        providers: list | None = None,
         sub: onnx.ModelProto | None = None,
+        fold_host_inputs: bool = False,
     ) -> None:
         """``sub``: the block's :func:`block_model`, where the caller has built it already."""
         self.block = block
-        if sub is None:
-            sub = block_model(model, block, elem_types)
-        try:
-            self.session = ort.InferenceSession(
-                sub.SerializeToString(), sess_options=session_options, providers=providers or ["CPUExecutionProvider"]
-            )
-        except Exception as e:
-            raise UnsupportedGraphError(
-                f"ONNX Runtime cannot run block {block.index} ({str(e).splitlines()[0]}); "
-                "the graph uses an op this onnxruntime build has no kernel for"
-            ) from e
-        self.binding = self.session.io_binding()
-        self._bound: dict[str, tuple] = {}
-        self.host_inputs = host_inputs(sub.graph.node, block.inputs)
+        self._sub = sub if sub is not None else block_model(model, block, elem_types)
+        self._options, self._providers = session_options, providers
+        self.host_inputs = host_inputs(self._sub, block.inputs) if fold_host_inputs else frozenset()
+        self._variants: dict[bytes, _Variant] = {}
+        if not self.host_inputs:
+            self._variants[b""] = _Variant(self._sub, block, session_options, providers)
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The (first) ORT session of this block."""
+        return next(iter(self._variants.values())).session
+
+    def _variant(self, host_values: Mapping[str, np.ndarray]) -> _Variant:
+        key = _values_key(host_values) if self.host_inputs else b""
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = _Variant(fold_inputs(self._sub, host_values), self.block, self._options, self._providers)
+            self._variants[key] = variant
+        return variant
 
     def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo], backend=None,
             host_values: Mapping[str, np.ndarray] | None = None) -> None:
         """Run the block reading inputs at and writing outputs to the given arena pointers
         (in the memory of ``backend``, a :class:`~ort_offload.device_backend.DeviceBackend`;
-        None: host memory). ``host_values``: host copies of :attr:`host_inputs`, bound instead
-        of their device pointers. On a device the run is queued on its compute stream and
-        returns without waiting for it."""
+        None: host memory). ``host_values``: the values of :attr:`host_inputs`. On a device
+        the run is queued on its compute stream and returns without waiting for it."""
         device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
-        binding = self.binding
-        for name, value in (host_values or {}).items():
-            binding.bind_cpu_input(name, value)
-            self._bound[name] = None
+        variant = self._variant(host_values or {})
+        binding = variant.binding
         for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
             for name in names:
-                if host_values and name in host_values:
+                if name in self.host_inputs:
                     continue
                 info = infos[name]
                 key = (pointers[name], info.shape)
-                if self._bound.get(name) != key:  # rebind only what moved or changed shape
+                if variant.bound.get(name) != key:  # rebind only what moved or changed shape
                     bind(name, device, device_id, info.dtype, list(info.shape), pointers[name])
-                    self._bound[name] = key
+                    variant.bound[name] = key
         run_options = None if backend is None else backend.run_options
-        self.session.run_with_iobinding(binding, run_options)
-
+        variant.session.run_with_iobinding(binding, run_options)
 
 
 def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False) -> ort.SessionOptions:

@@ -47,6 +47,11 @@ class DeviceBackend:
     run_options: ort.RunOptions | None = None
     profile_name: str = "cpu"  # the device profile (graph_passes.device_profiles) plans are timed on
 
+    @property
+    def memory_is_host(self) -> bool:
+        """Whether the arena is host memory (numpy views, no folding of host-slot inputs)."""
+        return getattr(self.memory, "is_host", False)
+
     def on_compute_stream(self):
         """Context in which torch issues its copies on the stream blocks run on."""
         if self.streams is None:

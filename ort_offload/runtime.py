@@ -39,7 +39,9 @@ from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
 from graph_passes.swap_search import STATE_NONE, SwapSearch
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
-from ort_offload.block_session import BlockSession, block_content_key, block_model, default_session_options
+from ort_offload.block_session import (
+    BlockSession, block_content_key, block_model, default_session_options, signature_values,
+)
 from ort_offload.budget import format_bytes
 from ort_offload.device import OffloadDevice
 from ort_offload.device_backend import DeviceBackend, make_backend
@@ -218,6 +220,10 @@ class GraphRunner:
         # off, is the same in every plan: 1,650 nodes of bert small, ~50 ms to create).
         self._sessions_by_content: dict[bytes, BlockSession] = {}
         self.sessions_shared = 0  # blocks of a new graph served by an existing session
+        # Folded block inputs (device only): value per (signature, model, name), and the values
+        # of each model that follow from the input shapes alone.
+        self.host_value_cache: dict[tuple, np.ndarray] = {}
+        self._signature_values: dict[int, tuple[onnx.ModelProto, frozenset[str]]] = {}
         self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
         self.last_prepared: PreparedStep | None = None
@@ -646,12 +652,21 @@ class GraphRunner:
                     session_options=self.runtime.session_options(spinning=len(block.node_indices) > 1 and not serial,
                                                                  serial=serial),
                     providers=self.runtime.backend.providers, sub=sub,
+                    fold_host_inputs=not self.runtime.backend.memory_is_host,
                 )
                 self._sessions_by_content[content] = session
             else:
                 self.sessions_shared += 1
             self._sessions[key] = session
         return session
+
+    def signature_values(self, prepared: PreparedStep) -> frozenset[str]:
+        """Values of ``prepared``'s graph equal in every step of its signature."""
+        model = prepared.model if prepared.model is not None else self.model
+        entry = self._signature_values.get(id(model))
+        if entry is None:
+            entry = self._signature_values[id(model)] = (model, signature_values(model))
+        return entry[1]
 
     def run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         """Execute one step with batch tensors ``feeds``; returns the fetched outputs."""
@@ -676,14 +691,14 @@ class GraphRunner:
             execution.finish()
         except OutOfArenaMemory as e:
             execution.finish()
-            self._abort(prepared.program)
+            self._abort(prepared.program, cause=e)
             raise BudgetTooSmallError(
                 f"arena full while running {self.graph.name}: {e}; raise the budget",
                 needed_bytes=arena.in_use + e.nbytes, budget_bytes=runtime.budget_bytes or 0,
             ) from e
-        except Exception:
+        except Exception as e:
             execution.finish()
-            self._abort(prepared.program)
+            self._abort(prepared.program, cause=e)
             raise
         runtime.stats.blocks_run += len(prepared.program.blocks)
         runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, execution.peak)
@@ -693,8 +708,9 @@ class GraphRunner:
             runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
         return execution.fetched
 
-    def _abort(self, program: Program) -> None:
-        """Free a failed step's temporaries; fail loudly if state was already consumed."""
+    def _abort(self, program: Program, *, cause: BaseException) -> None:
+        """Free a failed step's temporaries; fail loudly (naming ``cause``) if state was
+        already consumed."""
         arena, host = self.runtime.arena, self.runtime.host
         state = set(program.state_inputs) | set(program.host_state)
         for name in arena.names():
@@ -705,11 +721,11 @@ class GraphRunner:
                 host.discard(name)
         lost = [n for n in sorted(state) if n not in arena and n not in host]
         if lost:
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
             raise OffloadError(
-                f"the step failed after it had consumed state ({', '.join(lost[:3])}...); "
-                "reload the trainer from its last checkpoint"
-            )
-
+                f"the step failed ({type(cause).__name__}: {first}) after it had consumed state "
+                f"({', '.join(lost[:3])}...); reload the trainer from its last checkpoint"
+            ) from cause
 
 
 class _StepExecution:
@@ -850,8 +866,7 @@ class _StepExecution:
         self._measure(workspace)
         pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in block.inputs + block.outputs}
         try:
-            host_values = {} if arena.eager else {n: arena.read(n) for n in session.host_inputs}
-            session.run(pointers, self.infos, self.runtime.backend, host_values)
+            session.run(pointers, self.infos, self.runtime.backend, self._host_values(session))
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExecutionError(
@@ -861,6 +876,21 @@ class _StepExecution:
         for name in step.frees:
             arena.free(name)
             self.host.discard(name)  # a clean host copy dies with the value
+
+    def _host_values(self, session: BlockSession) -> dict[str, np.ndarray]:
+        """Values of the block inputs its session folds (shapes a device's kernels read on
+        the host): read from the arena, once per signature where they follow from the input
+        shapes alone, else at every run."""
+        values = {}
+        for name in session.host_inputs:
+            key = (self.prepared.signature, id(self.prepared.model), name)
+            value = self.runner.host_value_cache.get(key)
+            if value is None:
+                value = self.arena.read(name)
+                if name in self.runner.signature_values(self.prepared):
+                    self.runner.host_value_cache[key] = value
+            values[name] = value
+        return values
 
     def fetch(self, step: Fetch) -> None:
         self._ensure_resident([step.name], f"fetch {step.name}")

@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import onnx
+import onnx.parser
+import onnxruntime as ort
 import pytest
 
 import ort_offload
@@ -14,6 +17,7 @@ from graph_passes.shapes import TensorInfo
 from helpers import train_ort
 from ort_offload import runtime as runtime_module
 from ort_offload.arena import DeviceArena
+from ort_offload.block_session import fold_inputs, host_inputs, signature_values
 from ort_offload.device_backend import gpu_profile_name, parse_cuda_kind, stream_backend
 from ort_offload.device_memory import NumpyMemory, TorchMemory
 from ort_offload.errors import UnknownDeviceError
@@ -161,6 +165,54 @@ def test_swapped_runs_through_the_stream_path_move_bytes():
     report = run.trainer.report()
     assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0
     assert report["faults"] == 0 and report["within_budget"]
+    # Blocks cut between a shape computation and its Reshape read the shape folded in, once
+    # per signature (the values follow from the input shapes).
+    assert run.trainer.runner.host_value_cache
+
+
+def _model(text: str) -> onnx.ModelProto:
+    return onnx.parser.parse_model(text)
+
+
+def test_shape_inputs_of_a_block_are_found_through_its_nodes_but_not_through_shape():
+    sub = _model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6] x, int64[1] rows, float[2,6] y) => (float[3,4] out, int64[2] s2) {
+            shape = Concat <axis = 0> (rows, rows)
+            r = Reshape (x, shape)
+            s = Shape (y)
+            s2 = Identity (s)
+            out = Reshape (r, s2)
+        }""")
+    assert host_inputs(sub, ["x", "rows", "y"]) == {"rows"}  # not x (data), not y (read by Shape)
+
+
+def test_signature_values_are_those_computed_from_shapes_and_constants():
+    model = _model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6] x, int64[2] data_shape) => (float[3,4] out) {
+            s = Shape (x)
+            two = Constant <value = int64[1] {2}> ()
+            t = Div (s, two)
+            mixed = Add (t, data_shape)
+            out = Reshape (x, mixed)
+        }""")
+    values = signature_values(model)
+    assert {"s", "two", "t"} <= values
+    assert "mixed" not in values and "out" not in values
+
+
+def test_folded_inputs_become_initializers_with_their_values():
+    sub = _model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6] x, int64[2] shape) => (float[3,4] out) {
+            out = Reshape (x, shape)
+        }""")
+    folded = fold_inputs(sub, {"shape": np.array([3, 4], dtype=np.int64)})
+    assert [v.name for v in folded.graph.input] == ["x"]
+    session = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.reshape(3, 4))
 
 
 def test_cuda_device_names_parse():
