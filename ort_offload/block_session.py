@@ -21,6 +21,7 @@ from graph_passes.liveness import consumed_names
 from graph_passes.program import Block
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
+from ort_offload.host_slots import HostSlots
 
 logger = logging.getLogger(__name__)
 
@@ -71,78 +72,6 @@ def block_content_key(sub: onnx.ModelProto) -> bytes:
         sub.graph.name = name
 
 
-# Inputs that ONNX Runtime's CUDA kernels read from host memory (shapes, axes, counts). In a
-# whole-graph session the values feeding them come from Shape nodes and initializers, which
-# ORT keeps on the host; cut into blocks, they arrive as block inputs in device memory, and a
-# CUDA kernel refuses them ("Shape must be on CPU").
-HOST_INPUT_SLOTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
-    "Slice": (1, 2, 3, 4), "Unsqueeze": (1,), "Squeeze": (1,), "Pad": (1, 2, 3), "Split": (1,),
-    "Resize": (1, 2, 3), "Upsample": (1,), "TopK": (1,), "OneHot": (1,), "Trilu": (1,), "CumSum": (1,),
-    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
-    "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
-}
-SHAPE_OPS = ("Shape", "Size")  # read only their input's shape; their outputs live on the host
-_INTEGER_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
-
-
-def host_inputs(sub: onnx.ModelProto, inputs) -> frozenset[str]:
-    """The integer block inputs from which a host-memory slot of a node in ``sub`` is reached
-    (through the block's own nodes, not through Shape/Size): on a device they are folded into
-    the block as initializers, so ORT keeps their computation on the host as it would in one
-    session."""
-    nodes = sub.graph.node
-    inputs = set(inputs)
-    types = {v.name: v.type.tensor_type.elem_type for v in sub.graph.input}
-    producers = {o: node for node in nodes for o in node.output}
-    stack = [node.input[i] for node in nodes for i in HOST_INPUT_SLOTS.get(node.op_type, ()) if i < len(node.input)]
-    found, seen = set(), set()
-    while stack:
-        name = stack.pop()
-        if not name or name in seen:
-            continue
-        seen.add(name)
-        if name in inputs:
-            if types.get(name) in _INTEGER_TYPES:
-                found.add(name)
-        elif name in producers and producers[name].op_type not in SHAPE_OPS:
-            stack.extend(producers[name].input)
-    return frozenset(found)
-
-
-def signature_values(model: onnx.ModelProto) -> frozenset[str]:
-    """Values that depend on the input shapes alone (computed from Shape/Size outputs,
-    constants and initializers): equal in every step of one input signature."""
-    known = {t.name for t in model.graph.initializer}
-    for node in model.graph.node:  # topological
-        if node.op_type in SHAPE_OPS or node.op_type == "Constant" or (
-            node.input and all(not i or i in known for i in node.input)
-            and not node.op_type.startswith("Random")
-        ):
-            known.update(o for o in node.output if o)
-    return frozenset(known)
-
-
-def fold_inputs(sub: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """``sub`` with the inputs in ``values`` turned into initializers holding them."""
-    folded = onnx.ModelProto()
-    folded.CopyFrom(sub)
-    kept = [v for v in folded.graph.input if v.name not in values]
-    del folded.graph.input[:]
-    folded.graph.input.extend(kept)
-    folded.graph.initializer.extend(onnx.numpy_helper.from_array(np.asarray(v), name) for name, v in values.items())
-    return folded
-
-
-def _values_key(values: Mapping[str, np.ndarray]) -> bytes:
-    digest = hashlib.sha256()
-    for name in sorted(values):
-        value = np.ascontiguousarray(values[name])
-        digest.update(f"{name}|{value.dtype}|{value.shape}|".encode())
-        digest.update(value.tobytes())
-    return digest.digest()
-
-
 class _Variant:
     """One ORT session of a block (with one set of folded values) and its bindings."""
 
@@ -163,9 +92,10 @@ class _Variant:
 class BlockSession:
     """An ``InferenceSession`` over one block, run with pointer bindings into the arena.
 
-    With ``fold_host_inputs`` (a device whose kernels want shapes on the host), the
-    :attr:`host_inputs` are passed as values to :meth:`run` and folded into the block, one
-    session per distinct set of values."""
+    With ``fold_host_inputs`` (a device whose kernels read shapes from host memory), the
+    block's host-slot values are computed on the host from :attr:`host_inputs` (passed to
+    :meth:`run` as values) and folded in (:mod:`ort_offload.host_slots`): one session per
+    distinct set of values."""
 
     def __init__(
         self,
@@ -182,22 +112,30 @@ class BlockSession:
         self.block = block
         self._sub = sub if sub is not None else block_model(model, block, elem_types)
         self._options, self._providers = session_options, providers
-        self.host_inputs = host_inputs(self._sub, block.inputs) if fold_host_inputs else frozenset()
+        self._slots = HostSlots(self._sub, block.inputs) if fold_host_inputs else None
+        if self._slots is not None and not self._slots.active:
+            self._slots = None
         self._variants: dict[bytes, _Variant] = {}
-        if not self.host_inputs:
+        if self._slots is None:
             self._variants[b""] = _Variant(self._sub, block, session_options, providers)
+
+    @property
+    def host_inputs(self) -> frozenset[str]:
+        """Block inputs whose values :meth:`run` needs on the host (to compute host slots)."""
+        return self._slots.inputs if self._slots is not None else frozenset()
 
     @property
     def session(self) -> ort.InferenceSession:
         """The (first) ORT session of this block."""
         return next(iter(self._variants.values())).session
 
-    def _variant(self, host_values: Mapping[str, np.ndarray]) -> _Variant:
-        key = _values_key(host_values) if self.host_inputs else b""
+    def _variant(self, host_values: Mapping[str, np.ndarray], infos: Mapping[str, TensorInfo]) -> _Variant:
+        slots = self._slots
+        key = b"" if slots is None else slots.key(host_values, infos)
         variant = self._variants.get(key)
         if variant is None:
-            variant = _Variant(fold_inputs(self._sub, host_values), self.block, self._options, self._providers)
-            self._variants[key] = variant
+            folded = slots.fold(slots.compute(host_values, infos))
+            variant = self._variants[key] = _Variant(folded, self.block, self._options, self._providers)
         return variant
 
     def run(self, pointers: Mapping[str, int], infos: Mapping[str, TensorInfo], backend=None,
@@ -207,12 +145,10 @@ class BlockSession:
         None: host memory). ``host_values``: the values of :attr:`host_inputs`. On a device
         the run is queued on its compute stream and returns without waiting for it."""
         device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
-        variant = self._variant(host_values or {})
+        variant = self._variant(host_values or {}, infos)
         binding = variant.binding
         for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
             for name in names:
-                if name in self.host_inputs:
-                    continue
                 info = infos[name]
                 key = (pointers[name], info.shape)
                 if variant.bound.get(name) != key:  # rebind only what moved or changed shape

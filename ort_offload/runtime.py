@@ -39,14 +39,13 @@ from graph_passes.swap_planner import SwapPlan, blocks_over, required_bytes
 from graph_passes.swap_search import STATE_NONE, SwapSearch
 from graph_passes.training_graph import TrainingGraph
 from ort_offload.arena import DeviceArena, OutOfArenaMemory, make_policy
-from ort_offload.block_session import (
-    BlockSession, block_content_key, block_model, default_session_options, signature_values,
-)
+from ort_offload.block_session import BlockSession, block_content_key, block_model, default_session_options
 from ort_offload.budget import format_bytes
 from ort_offload.device import OffloadDevice
 from ort_offload.device_backend import DeviceBackend, make_backend
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.gc_pause import collection_paused
+from ort_offload.host_slots import signature_values
 from ort_offload.host_store import HostStore
 from ort_offload.recompute_planning import RecomputePlanning
 

@@ -17,7 +17,7 @@ from graph_passes.shapes import TensorInfo
 from helpers import train_ort
 from ort_offload import runtime as runtime_module
 from ort_offload.arena import DeviceArena
-from ort_offload.block_session import fold_inputs, host_inputs, signature_values
+from ort_offload.host_slots import HostSlots, signature_values
 from ort_offload.device_backend import gpu_profile_name, parse_cuda_kind, stream_backend
 from ort_offload.device_memory import NumpyMemory, TorchMemory
 from ort_offload.errors import UnknownDeviceError
@@ -174,17 +174,40 @@ def _model(text: str) -> onnx.ModelProto:
     return onnx.parser.parse_model(text)
 
 
-def test_shape_inputs_of_a_block_are_found_through_its_nodes_but_not_through_shape():
+def test_host_slot_values_are_computed_on_the_host_and_folded_as_initializers():
     sub = _model("""
         <ir_version: 8, opset_import: ["" : 17]>
-        g (float[2,6] x, int64[1] rows, float[2,6] y) => (float[3,4] out, int64[2] s2) {
+        g (float[2,6] x, int64[1] rows, float[3,4] y) => (float[3,4] out, float[4,3] out2) {
             shape = Concat <axis = 0> (rows, rows)
             r = Reshape (x, shape)
             s = Shape (y)
-            s2 = Identity (s)
-            out = Reshape (r, s2)
+            two = Constant <value = int64[1] {-1}> ()
+            rev = Slice (s, two, two)
+            t = Concat <axis = 0> (s, rows)
+            out = Reshape (r, s)
+            out2 = Transpose <perm = [1, 0]> (out)
         }""")
-    assert host_inputs(sub, ["x", "rows", "y"]) == {"rows"}  # not x (data), not y (read by Shape)
+    slots = HostSlots(sub, ["x", "rows", "y"])
+    assert slots.active and slots.inputs == {"rows"}  # not x (data) nor y (its shape is in infos)
+    infos = {"y": TensorInfo(np.dtype(np.float32), (3, 4))}
+    values = slots.compute({"rows": np.array([2], dtype=np.int64)}, infos)
+    assert set(values) == {"shape", "s", "two"}  # every value in a host slot
+    np.testing.assert_array_equal(values["shape"], [2, 2])
+    np.testing.assert_array_equal(values["s"], [3, 4])
+    folded = slots.fold(values)
+    reshapes = [n for n in folded.graph.node if n.op_type == "Reshape"]
+    assert [n.input[1] for n in reshapes] == ["shape__host", "s__host"]
+    assert {"shape__host", "s__host"} <= {t.name for t in folded.graph.initializer}
+
+
+def test_a_block_whose_slots_read_float_inputs_is_left_alone():
+    sub = _model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6] x, float[2] f) => (float[3,4] out) {
+            shape = Cast <to = 7> (f)
+            out = Reshape (x, shape)
+        }""")
+    assert not HostSlots(sub, ["x", "f"]).active
 
 
 def test_signature_values_are_those_computed_from_shapes_and_constants():
@@ -200,19 +223,6 @@ def test_signature_values_are_those_computed_from_shapes_and_constants():
     values = signature_values(model)
     assert {"s", "two", "t"} <= values
     assert "mixed" not in values and "out" not in values
-
-
-def test_folded_inputs_become_initializers_with_their_values():
-    sub = _model("""
-        <ir_version: 8, opset_import: ["" : 17]>
-        g (float[2,6] x, int64[2] shape) => (float[3,4] out) {
-            out = Reshape (x, shape)
-        }""")
-    folded = fold_inputs(sub, {"shape": np.array([3, 4], dtype=np.int64)})
-    assert [v.name for v in folded.graph.input] == ["x"]
-    session = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = np.arange(12, dtype=np.float32).reshape(2, 6)
-    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.reshape(3, 4))
 
 
 def test_cuda_device_names_parse():
