@@ -31,7 +31,7 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (what the budget needs: swap, then split), none, or a comma list of passes (recompute, swap, split)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
-    parser.add_argument("--device", default="cpu", help="device to run on (cpu)")
+    parser.add_argument("--device", default="cpu", help="device to run on: cpu, cuda or cuda:N (needs onnxruntime-gpu)")
     parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
     parser.add_argument("--arena-policy", default="best_fit", choices=_arena_policies(),
                         help="where the arena places tensors (double_buffer: work and migration halves)")

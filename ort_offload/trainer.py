@@ -24,7 +24,7 @@ from graph_passes.shapes import check_inputs
 from graph_passes.training_graph import TrainingGraph
 from ort_offload import optimizers
 from ort_offload.device import OffloadDevice
-from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError
+from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError, UnknownDeviceError
 from ort_offload.export import export_forward, export_training_step, initial_state
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime import GraphRunner, Runtime
@@ -345,6 +345,10 @@ def create_ort_trainer(
     from ort_offload.dynamic_trainer import BlockwiseTrainer, is_dynamic_model
 
     if is_dynamic_model(model):
+        if device.kind != "cpu":
+            raise UnknownDeviceError(
+                f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
+            )
         if not isinstance(optimizer, str) or optimizer_options:
             raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
         return BlockwiseTrainer(

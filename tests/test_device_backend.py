@@ -247,3 +247,12 @@ def test_a_cuda_device_without_onnxruntime_gpu_is_one_clear_error():
     assert "\n" not in str(info.value)
     with pytest.raises(UnknownDeviceError, match="needs a CUDA device"):
         ort_offload.set_offload_device("cpu", device_id=1)
+
+
+def test_a_dynamic_network_on_a_cuda_device_is_refused():
+    from ort_offload.device import OffloadDevice
+    from models import get_dynamic_model
+
+    spec = get_dynamic_model("var-lstm", "tiny")
+    with pytest.raises(UnknownDeviceError, match="CPU device only"):
+        ort_offload.create_ort_trainer(OffloadDevice(kind="cuda"), spec.model, loss_fn=spec.loss_fn)
