@@ -38,9 +38,12 @@ MODELS = ("gpt", "cnn")
 # Our rows per model, smallest budget first: ORT's shared CUDA arena keeps its high-water mark
 # for the life of the process, so a row after a larger one would be charged that one's
 # workspace. The unlimited row (last) is the bitwise reference.
+# A row is "budget:passes[:shrink]" ("shrink": block sessions release their workspace after
+# each run). A second unlimited row checks that two runs of the same plan are bitwise equal.
 ROWS = {
-    "gpt": (("0.25x", "swap"), ("0.5x", "swap"), ("0.5x", "recompute"), (None, "none")),
-    "cnn": (("0.25x", "auto"), ("0.5x", "swap"), (None, "none")),
+    "gpt": ("0.25x:swap", "0.5x:swap", "0.5x:recompute", "0.5x:recompute:shrink", "unlimited:none",
+            "unlimited:none"),
+    "cnn": ("0.25x:auto", "0.5x:swap", "unlimited:none", "unlimited:none"),
 }
 TIME_SHARE = {"gpt": 0.62, "cnn": 0.38}  # of --time-limit, per model process
 LR = 1e-3
@@ -170,13 +173,34 @@ def plain_session(case: Case, device: str) -> dict:
     return {"losses": losses, "step_time_s_median": statistics.median(times[1:] or times)}
 
 
-def ours(case: Case, device_kind: str, budget, passes: str, planning_profile: str | None) -> tuple[dict, str]:
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One of our rows: a budget (None: unlimited), a pass set, and device options."""
+
+    budget: str | None
+    passes: str
+    shrink: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Row":
+        budget, passes, *rest = text.split(":")
+        if rest not in ([], ["shrink"]):
+            raise ValueError(f"row {text!r}: use budget:passes or budget:passes:shrink")
+        return cls(None if budget == "unlimited" else budget, passes, rest == ["shrink"])
+
+    @property
+    def label(self) -> str:
+        return f"ours {self.budget or 'unlimited'} {self.passes}" + (" shrink" if self.shrink else "")
+
+
+def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -> tuple[dict, str]:
     """Our trainer on the device: its report with extra figures, and a digest of the final state."""
     import ort_offload
     from ort_offload.trainer import OrtTrainer, resolve_passes
 
+    budget, passes = row.budget, row.passes
     device = ort_offload.set_offload_device(device_kind, budget=budget, planning_profile=planning_profile,
-                                            async_swap_outs=True)
+                                            async_swap_outs=True, release_block_workspace=row.shrink)
     started = time.perf_counter()
     trainer = OrtTrainer(
         device, case.graph, initial_state=case.state, example_batch=case.feeds(0),
@@ -215,21 +239,22 @@ def run_model(case: Case, args, out_path: Path) -> None:
             cuda_backend(0)
         except Exception as e:  # our rows will say why; the references still run
             _emit(rows, out_path, {"model": case.name, "row": "cuda backend", "error": f"{type(e).__name__}: {e}"})
-    rows_asked = ROWS[case.name] if not args.rows else [
-        (None if b == "unlimited" else b, p) for b, p in (item.split(":") for item in args.rows.split(","))]
-    for budget, passes in rows_asked:
-        label = f"ours {budget or 'unlimited'} {passes}"
+    for row in (Row.parse(text) for text in (args.rows.split(",") if args.rows else ROWS[case.name])):
+        label = row.label
+        while label in digests or any(r["row"] == label for r in rows):  # a rerun
+            label += " again"
         if time.perf_counter() - args.started > args.time_limit:
             print(f"time limit reached: skipping {case.name} {label}", flush=True)
             continue
         try:
-            report, digests[label] = ours(case, args.device, budget, passes, args.planning_profile)
+            report, digests[label] = ours(case, args.device, row, args.planning_profile)
         except Exception as e:  # a row that cannot run is a result too
             _emit(rows, out_path, {"model": case.name, "row": label, "error": _causes(e)})
             continue
         finally:
             _release_device_memory(args.device)
-        _emit(rows, out_path, {"model": case.name, "row": label, "budget": budget, "passes_asked": passes, **report})
+        _emit(rows, out_path, {"model": case.name, "row": label, "budget": row.budget, "passes_asked": row.passes,
+                               "release_block_workspace": row.shrink, **report})
     plain = plain_session(case, args.device)
     _release_device_memory(args.device)
     _emit(rows, out_path, {"model": case.name, "row": "plain ORT session", **plain})

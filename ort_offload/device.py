@@ -57,6 +57,11 @@ class OffloadDevice:
     # outputs, copies) before whole segments (graph_passes.selective_recompute); False: whole
     # segments only, as Mimose plans.
     selective_recompute: bool = True
+    # CUDA: every block session gives its ORT arena's free memory back to the device after
+    # each run (ORT's arena shrinkage), so the device holds the running block's workspace
+    # rather than every cached session's high-water mark; each block then pays cudaFree and
+    # cudaMalloc for its workspace.
+    release_block_workspace: bool = False
 
     @property
     def swap_outs_are_async(self) -> bool:
@@ -85,6 +90,7 @@ def set_offload_device(
     recompute_policy: str = "input_aware",
     selective_recompute: bool = True,
     alignment: int | None = None,
+    release_block_workspace: bool = False,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak).
 
@@ -119,5 +125,5 @@ def set_offload_device(
         budget=parse_budget(budget), max_block_nodes=max_block_nodes, intra_op_threads=intra_op_threads,
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
-        selective_recompute=selective_recompute,
+        selective_recompute=selective_recompute, release_block_workspace=release_block_workspace,
     )

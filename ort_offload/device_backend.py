@@ -195,7 +195,7 @@ def _process_device_bytes(device_id: int) -> int:
     return total - free
 
 
-def cuda_backend(device_id: int) -> DeviceBackend:
+def cuda_backend(device_id: int, *, release_block_workspace: bool = False) -> DeviceBackend:
     """The CUDA device's backend on GPU ``device_id`` (checked first)."""
     check_cuda(device_id)
     env = _cuda_environment(device_id)
@@ -203,6 +203,8 @@ def cuda_backend(device_id: int) -> DeviceBackend:
     # Blocks are queued on the compute stream back to back; the host waits only where it
     # reads device bytes (fetches, swap-out copies it keeps, checkpoints).
     run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    if release_block_workspace:
+        run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{device_id}")
     streams = env.streams
     return DeviceBackend(
         TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams), StreamCopyEngine("d2h", streams),
@@ -220,5 +222,8 @@ def gpu_profile_name(device_name: str) -> str:
     return "H100"
 
 
-def make_backend(kind: str, device_id: int = 0) -> DeviceBackend:
-    return cuda_backend(device_id) if kind == "cuda" else cpu_backend()
+def make_backend(device) -> DeviceBackend:
+    """The backend of an :class:`~ort_offload.device.OffloadDevice`."""
+    if device.kind == "cuda":
+        return cuda_backend(device.device_id, release_block_workspace=device.release_block_workspace)
+    return cpu_backend()

@@ -97,7 +97,7 @@ class Runtime:
         """``backend``: the device's memory, copy engines and providers (default: the one
         ``device.kind`` names; tests pass :func:`~ort_offload.device_backend.stream_backend`)."""
         self.device = device
-        self.backend = backend if backend is not None else make_backend(device.kind, device.device_id)
+        self.backend = backend if backend is not None else make_backend(device)
         self.host = HostStore(self.backend.memory.host_empty)
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes

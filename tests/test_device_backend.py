@@ -139,7 +139,7 @@ def test_a_host_arena_reserves_its_cap_at_once():
 def stream_path():
     """Trainers made inside run the CUDA device's path (torch memory, stream copy engines)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runtime_module, "make_backend", lambda kind, device_id=0: stream_backend())
+        patch.setattr(runtime_module, "make_backend", lambda device: stream_backend())
         yield
 
 
