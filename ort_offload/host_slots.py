@@ -83,11 +83,11 @@ def _chain(sub: onnx.ModelProto, block_inputs) -> _Chain | None:
             needed.add(index)
             node = nodes[index]
             if node.op_type in SHAPE_OPS:  # its input's shape is known: no need to compute it
-                shaped.update(i for i in node.input[:1] if i)
+                shaped.update(i for i in node.input[:1] if i and i not in initializers)
             else:
                 stack.extend(i for i in node.input if i)
     return _Chain(tuple(dict.fromkeys(slots)), tuple(nodes[i] for i in sorted(needed)), frozenset(inputs),
-                  frozenset(shaped))
+                  frozenset(shaped - inputs))  # an input read whole gives its own shape
 
 
 class HostSlots:

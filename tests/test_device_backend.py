@@ -256,3 +256,19 @@ def test_a_dynamic_network_on_a_cuda_device_is_refused():
     spec = get_dynamic_model("var-lstm", "tiny")
     with pytest.raises(UnknownDeviceError, match="CPU device only"):
         ort_offload.create_ort_trainer(OffloadDevice(kind="cuda"), spec.model, loss_fn=spec.loss_fn)
+
+
+def test_an_input_read_whole_and_by_shape_is_fed_once():
+    sub = _model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2,6] x, int64[2] dims) => (float[3,4] out) {
+            s = Shape (dims)
+            shape = Concat <axis = 0> (dims, s)
+            trimmed = Slice (shape, s, s)
+            out = Reshape (x, dims)
+        }""")
+    slots = HostSlots(sub, ["x", "dims"])
+    assert slots.inputs == {"dims"}
+    values = slots.compute({"dims": np.array([3, 4], dtype=np.int64)}, {})
+    np.testing.assert_array_equal(values["dims"], [3, 4])
+    np.testing.assert_array_equal(values["s"], [2])
