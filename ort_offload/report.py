@@ -4,11 +4,15 @@ its rendering as a table, and the device-memory timeline plot."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from ort_offload.budget import format_bytes
+from ort_offload.files import atomic_write_bytes, atomic_write_with
 
 REPORT_KEYS = (
     "model",
@@ -39,18 +43,31 @@ REPORT_KEYS = (
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write a text file so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write_bytes(path, text.encode())
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) as ``None``: strict JSON has no NaN."""
+    if isinstance(value, float) or (isinstance(value, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return json_safe(value.tolist())
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def to_json(report: Mapping[str, Any]) -> str:
+    """The report as strict JSON text (non-finite numbers as ``null``)."""
+    return json.dumps(json_safe(dict(report)), indent=2, allow_nan=False, default=str) + "\n"
 
 
 def write_json(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    return atomic_write_text(path, json.dumps(dict(report), indent=2, default=float) + "\n")
+    return atomic_write_text(path, to_json(report))
 
 
 def render_table(report: Mapping[str, Any], extra: Mapping[str, Any] | None = None):
@@ -131,13 +148,8 @@ def save_figure(fig, path) -> Path:
     """Write ``fig`` as a PNG atomically (a temporary file renamed into place) and close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     try:
         fig.tight_layout()
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        return atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), suffix=".png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
