@@ -9,11 +9,9 @@ the runtime. State never leaves the runtime except through ``state_dict()``, ``s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import statistics
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,6 +21,7 @@ import torch
 from graph_passes.shapes import check_inputs
 from graph_passes.training_graph import TrainingGraph
 from ort_offload import optimizers
+from ort_offload.checkpoint import CHECKPOINT_FORMAT, Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError
 from ort_offload.export import export_forward, export_training_step, initial_state
@@ -35,7 +34,6 @@ AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap", "split")
 # What "auto" uses: swap; split (TSPLIT) only where swap alone cannot plan the budget.
 AUTO_PASSES: tuple[str, ...] = ("swap", "split")
 PASS_CHOICES = ("auto", "none")
-CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 
 
 def resolve_passes(passes: str | Sequence[str]) -> list[str]:
@@ -181,62 +179,46 @@ class OrtTrainer:
         return {n: self.runtime.read(n) for n in self.graph.state_inputs}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the trainer's state; checks every name, dtype and shape before writing any."""
-        arrays = {n: _to_numpy(v) for n, v in state.items()}
-        expected = set(self.graph.state_inputs)
-        missing = sorted(expected - set(arrays))
-        unexpected = sorted(set(arrays) - expected)
-        if missing or unexpected:
-            raise CheckpointError(
-                "state does not match this trainer: "
-                + (f"missing {', '.join(missing[:3])}" if missing else "")
-                + ("; " if missing and unexpected else "")
-                + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
-            )
-        for name in self.graph.state_inputs:
-            info = self.runtime.info(name)
-            array = arrays[name]
-            if array.dtype != info.dtype or tuple(array.shape) != info.shape:
-                raise CheckpointError(
-                    f"{name}: checkpoint has {array.dtype}{list(array.shape)}, trainer has {info}"
-                )
+        """Replace the trainer's state; checks every name, dtype, shape and value before writing any."""
+        arrays = self._checked_state(state)
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
         if optimizers.STEP_INPUT in arrays:  # it holds the number of the next step
-            self._step_count = int(round(float(arrays[optimizers.STEP_INPUT]))) - 1
+            self._step_count = _step_number(arrays[optimizers.STEP_INPUT]) - 1
+
+    def _checked_state(self, state: Any) -> dict[str, np.ndarray]:
+        """``state`` as arrays that fit this trainer (:func:`check_state`), its step number whole and positive."""
+        infos = {n: self.runtime.info(n) for n in self.graph.state_inputs}
+        arrays = check_state(state, {n: (i.dtype, i.shape) for n, i in infos.items()})
+        step = arrays.get(optimizers.STEP_INPUT)
+        if step is not None and (step.size != 1 or float(step.reshape(-1)[0]) < 1 or float(step.reshape(-1)[0]) % 1):
+            raise CheckpointError(f"{optimizers.STEP_INPUT} must be a whole number at least 1, got {step.tolist()}")
+        lr = arrays.get(optimizers.LR_INPUT)
+        if lr is not None and (lr < 0).any():
+            raise CheckpointError(f"{optimizers.LR_INPUT} must be at least 0, got {lr.tolist()}")
+        return arrays
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint atomically (a temporary file renamed into place)."""
-        path = Path(path)
-        state = self.state_dict()
-        meta = {"format": CHECKPOINT_FORMAT, "model": self.name, "steps": self._step_count, "losses": self.losses}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, __meta__=np.array(json.dumps(meta)), **{f"state/{k}": v for k, v in state.items()})
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        """Write a checkpoint atomically (a temporary file renamed into place).
+
+        Raises :class:`CheckpointError`, with nothing written, when the state is not finite or
+        the file cannot be written; a temporary file a killed save left is swept first."""
+        return write_checkpoint(path, Checkpoint(model=self.name, steps=self._step_count, losses=list(self.losses),
+                                                 state=self.state_dict()))
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad."""
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["__meta__"]))
-                state = {k[len("state/") :]: data[k] for k in data.files if k.startswith("state/")}
-        except FileNotFoundError as e:
-            raise CheckpointError(f"no checkpoint at {path}") from e
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is not an ort_offload checkpoint ({type(e).__name__})") from e
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self.load_state_dict(state)
-        self._step_count = int(meta.get("steps", self._step_count))
-        self.losses = list(meta.get("losses", []))
+        """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad.
+
+        The file, its metadata and every tensor are checked before anything is written."""
+        checkpoint = read_checkpoint(path)
+        arrays = self._checked_state(checkpoint.state)
+        step = arrays.get(optimizers.STEP_INPUT)
+        if step is not None and _step_number(step) - 1 != checkpoint.steps:
+            raise CheckpointError(f"checkpoint {str(path)!r} says {checkpoint.steps} steps but its "
+                                  f"{optimizers.STEP_INPUT} is {_step_number(step)}: the file was edited or mixed up")
+        self.load_state_dict(arrays)
+        self._step_count = checkpoint.steps
+        self.losses = list(checkpoint.losses)
 
     def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
@@ -286,6 +268,11 @@ class OrtTrainer:
         }
         assert tuple(report) == REPORT_KEYS
         return report
+
+
+def _step_number(array: np.ndarray) -> int:
+    """The whole number a one-element ``optimizer.step`` tensor holds."""
+    return int(round(float(array.reshape(-1)[0])))
 
 
 @dataclasses.dataclass(frozen=True)
