@@ -61,6 +61,9 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-policy", default="input_aware", choices=_recompute_policies(),
                         help="recompute plans per input size (input_aware, Mimose) or one for every size (static)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-on-nonfinite", action="store_true",
+                        help="stop (exit code 2) at the first step whose loss or update is NaN or infinite, "
+                             "before it changes the state (default: count such steps and warn)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
 
@@ -323,7 +326,8 @@ def _train(args) -> int:
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
-        optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir, **options,
+        optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir,
+        stop_on_nonfinite=args.stop_on_nonfinite, **options,
     )
     batches = [_batch(spec, args, step, lengths[step]) for step in range(args.steps)]
     _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)
@@ -373,7 +377,7 @@ def _train_dynamic(args, device) -> int:
     trainer = BlockwiseTrainer(
         spec.model, spec.loss_fn, device=device, predictor=predictor, optimizer=args.optimizer,
         lr=args.lr if args.lr is not None else 1e-3, name=f"{spec.name}-{spec.config_name}",
-        cache_dir=args.cache_dir, misprediction_log=args.misprediction_log,
+        cache_dir=args.cache_dir, misprediction_log=args.misprediction_log, stop_on_nonfinite=args.stop_on_nonfinite,
     )
     try:
         batches = []
@@ -468,6 +472,10 @@ def _finish(trainer, args, extra: dict) -> int:
     from ort_offload.report import plot_timeline, render_table, write_json
 
     report = trainer.report()
+    if report.get("nonfinite_steps"):
+        print(f"ort-offload: warning: {report['nonfinite_steps']} of {report['steps']} "
+              f"steps gave NaN or infinite values (first: step {trainer.nonfinite_steps[0]}; null in the JSON report): "
+              "lower --lr or check the inputs; --stop-on-nonfinite stops at the first", file=sys.stderr)
     if getattr(args, "plot_path", None):
         plot_timeline(args.plot_path, baseline=trainer.runner.baseline_trace, planned=trainer.runner.last_trace,
                       budget_bytes=report["budget_bytes"], title=f"{report['model']}: device bytes over one step")
@@ -671,7 +679,7 @@ def _run(args) -> int:
     batches = [random_batch(graph, shapes, seed=args.seed * 100003 + step) for step in range(args.steps)]
     trainer = OrtTrainer(
         device, graph, initial_state=state, example_batch=batches[0],
-        input_names=graph.data_inputs, target_names=[], passes=passes,
+        input_names=graph.data_inputs, target_names=[], passes=passes, stop_on_nonfinite=args.stop_on_nonfinite,
     )
     _run_steps(trainer, [tuple(b[n] for n in graph.data_inputs) for b in batches], quiet=args.quiet)
     return _finish(trainer, args, {})

@@ -88,3 +88,64 @@ def random_batch(graph: TrainingGraph, shapes: Mapping[str, tuple[int, ...]], *,
         else:
             batch[name] = np.zeros(shape, dtype=dtype)
     return batch
+
+
+# Ops that pass integer indices through unchanged (a batch input may reach a Gather through them).
+_INDEX_PASSTHROUGH = {"Cast", "Reshape", "Flatten", "Unsqueeze", "Squeeze", "Identity"}
+
+
+def gather_index_limits(model, table_shapes: Mapping[str, Sequence[int]],
+                        batch_names: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """Batch inputs that index a table: name -> (rows of the table, the table's name).
+
+    A batch input (or a value it passes through unchanged: Cast, Reshape...) used as the
+    indices of a ``Gather`` whose data is a state tensor (an embedding) must hold ids in
+    ``0 .. rows - 1``; torch raises on anything else, ONNX Runtime would wrap negative ones.
+    """
+    source = {n: n for n in batch_names}
+    limits: dict[str, tuple[int, str]] = {}
+    for node in model.graph.node:
+        if node.op_type in _INDEX_PASSTHROUGH and node.input and node.input[0] in source:
+            for out in node.output:
+                source[out] = source[node.input[0]]
+        elif node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in source:
+            table = node.input[0]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            shape = table_shapes.get(table)
+            if shape is not None and -len(shape) <= axis < len(shape):
+                rows = int(shape[axis])
+                name = source[node.input[1]]
+                limits[name] = min(limits.get(name, (rows, table)), (rows, table))
+    return limits
+
+
+def check_batch(feeds: Mapping[str, np.ndarray], index_limits: Mapping[str, tuple[int, str]]) -> dict[str, np.ndarray]:
+    """``feeds`` if no tensor is empty and every index input is within its table; else
+    :class:`InputMismatchError` naming the tensor."""
+    for name, array in feeds.items():
+        if array.size == 0:
+            raise InputMismatchError(f"batch tensor {name!r} has no elements (shape {list(array.shape)}): "
+                                     "a step needs at least one sample")
+        if name in index_limits and np.issubdtype(array.dtype, np.integer):
+            rows, table = index_limits[name]
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high >= rows:
+                bad = low if low < 0 else high
+                raise InputMismatchError(f"{name!r} holds {bad}, outside 0..{rows - 1}: {table} has {rows} rows "
+                                         "(token ids must be below the vocabulary size and not negative)")
+    return dict(feeds)
+
+
+def first_nonfinite(view, names) -> str | None:
+    """The first of ``names`` whose tensor (``view(name)``) holds NaN or inf, else None.
+
+    A sum is non-finite whenever an element is; only when the sum overflows is each element
+    looked at."""
+    for name in names:
+        array = view(name)
+        if np.issubdtype(array.dtype, np.inexact) and array.size:
+            with np.errstate(over="ignore", invalid="ignore"):
+                total = array.sum()
+            if not np.isfinite(total) and not np.isfinite(array).all():
+                return name
+    return None

@@ -38,6 +38,7 @@ REPORT_KEYS = (
     "recompute_plans",  # extension: recompute plans made (input sizes no cached plan fitted)
     "recompute_plan_reuses",  # extension: new input sizes served by the plan of a similar size
     "recompute_plan_time_s_median",  # extension: choosing segments, per plan made (estimator + bucket rule)
+    "nonfinite_steps",  # extension: steps whose loss or updated state held NaN or inf
 )
 
 

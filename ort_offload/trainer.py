@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import statistics
 from pathlib import Path
@@ -23,10 +24,12 @@ from graph_passes.training_graph import TrainingGraph
 from ort_offload import optimizers
 from ort_offload.checkpoint import CHECKPOINT_FORMAT, Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
-from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError
+from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError
 from ort_offload.export import export_forward, export_training_step, initial_state
+from ort_offload.graph_inputs import check_batch, first_nonfinite, gather_index_limits
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime import GraphRunner, Runtime
+from ort_offload.validation import check_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +78,15 @@ class OrtTrainer:
         optimizer_config: optimizers.OptimizerConfig | None = None,
         dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
         cache_dir: str | os.PathLike | None = None,
+        stop_on_nonfinite: bool = False,
     ) -> None:
         """Place ``initial_state`` on the device and check the budget for ``example_batch``.
 
         Use :func:`create_ort_trainer` for a torch model; this constructor also serves graphs
         that come as ONNX files (no ``model``: ``eval()`` and ``copy_to()`` are unavailable).
+        ``stop_on_nonfinite``: a step whose loss or updated state is NaN or infinite raises
+        :class:`NonFiniteError` and leaves the state as it was (each step then keeps a host copy
+        of the state it updates); otherwise such steps are counted in ``report()``.
         """
         self.device = device
         self.graph = graph
@@ -93,6 +100,8 @@ class OrtTrainer:
         self._example_inputs = tuple(example_batch[n] for n in self.input_names)
         self._cache_dir = cache_dir
         self.losses: list[float] = []
+        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or state
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
         self.runner = GraphRunner(
@@ -100,12 +109,16 @@ class OrtTrainer:
         )
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
+        check_batch(example_batch, {})
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
         self.runtime.place_state(
             initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared),
             host=prepared.program.host_state,
         )
+        # Batch inputs that index a table (token ids into an embedding): their valid range.
+        self._index_limits = gather_index_limits(graph.model, {n: self.runtime.info(n).shape for n in graph.state_inputs},
+                                                 self.batch_names)
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -119,7 +132,7 @@ class OrtTrainer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.runtime.write(optimizers.LR_INPUT, np.array(value, dtype=np.float32))
+        self.runtime.write(optimizers.LR_INPUT, np.array(check_learning_rate(value, name="lr"), dtype=np.float32))
 
     @property
     def steps_done(self) -> int:
@@ -130,7 +143,7 @@ class OrtTrainer:
     def _feeds(self, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
         if len(batch) != len(names):
             raise InputMismatchError(f"step takes {len(names)} tensors ({', '.join(names)}), got {len(batch)}")
-        return {n: _to_numpy(t) for n, t in zip(names, batch)}
+        return check_batch({n: _to_numpy(t) for n, t in zip(names, batch)}, self._index_limits)
 
     def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
         """Check the batch against the graph (state as resident) and get the step's program."""
@@ -144,16 +157,36 @@ class OrtTrainer:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""
         feeds = self._feeds(batch, self.batch_names)
         prepared = self._prepare(self.runner, feeds)
+        before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
         outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
+        loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
+        self._check_finite(loss, before)
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
-        if self.graph.loss_name is None:
+        if loss is None:
             return float("nan")
-        loss = float(outputs[self.graph.loss_name])
         self.losses.append(loss)
         return loss
+
+    def _check_finite(self, loss: float | None, before: Mapping[str, np.ndarray] | None) -> None:
+        """Count a step whose loss or updated state is not finite; with ``before`` (the state
+        it updated, as it was) restore that state and raise :class:`NonFiniteError`."""
+        where = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(
+            self.runtime.view, self.graph.state_pairs)
+        if where is None:
+            return
+        step = self._step_count + 1
+        self.nonfinite_steps.append(step)
+        if before is not None:
+            for name, array in before.items():
+                self.runtime.write(name, array)
+            raise NonFiniteError(f"step {step} gave non-finite values in {where}; the state is as before the step: "
+                                 "lower the learning rate or check the batch for NaN/inf")
+        if len(self.nonfinite_steps) == 1:
+            logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
+                           "report()['nonfinite_steps']", step, self.name, where)
 
     def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
         """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
@@ -265,6 +298,7 @@ class OrtTrainer:
             "recompute_plans": recompute["recompute_plans"],
             "recompute_plan_reuses": recompute["recompute_plan_reuses"],
             "recompute_plan_time_s_median": recompute["plan_time_s_median"],
+            "nonfinite_steps": len(self.nonfinite_steps),
         }
         assert tuple(report) == REPORT_KEYS
         return report
@@ -305,6 +339,7 @@ def create_ort_trainer(
     passes: str | Sequence[str] = "auto",
     name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    stop_on_nonfinite: bool = False,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -314,6 +349,8 @@ def create_ort_trainer(
     loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
     ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
+    ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
+    :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
 
     A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
     :class:`~ort_offload.dynamic_trainer.BlockwiseTrainer` instead: its Python control flow runs
@@ -333,6 +370,7 @@ def create_ort_trainer(
             model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
             optimizer=optimizer, lr=lr if lr is not None else 1e-3,
             num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
+            stop_on_nonfinite=stop_on_nonfinite,
         )
     if example_inputs is None:
         raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
@@ -362,4 +400,5 @@ def create_ort_trainer(
         optimizer_config=config,
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
+        stop_on_nonfinite=stop_on_nonfinite,
     )
