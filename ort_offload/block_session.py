@@ -21,6 +21,7 @@ from graph_passes.liveness import consumed_names
 from graph_passes.program import Block
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
+from ort_offload.ort_logging import ort_log_severity
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False
     # none, cnn small 294 vs 286-290 (basic vs all: 169 vs 161 ms measured earlier).
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = intra_op_threads
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     # Bitwise-reproducible steps: without it, multi-threaded reductions (e.g. the embedding
     # gradient's scatter-add) sum in varying order and two identical runs drift apart.
     options.use_deterministic_compute = True

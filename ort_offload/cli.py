@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
+    _route_onnxruntime_log()
     from models import UnknownModelError as ZooUnknownModel
     from ort_offload.errors import OffloadError
 
@@ -194,6 +195,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ort-offload: interrupted", file=sys.stderr)
         return 130
+
+
+def _route_onnxruntime_log() -> None:
+    """ONNX Runtime's default logger at the severity our verbosity asks for (ort_offload.ort_logging)."""
+    import onnxruntime as ort
+
+    from ort_offload.ort_logging import ort_log_severity
+
+    ort.set_default_logger_severity(ort_log_severity())
 
 
 def _one_line(text: str) -> str:

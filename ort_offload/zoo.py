@@ -33,6 +33,7 @@ import onnx
 
 from ort_offload.budget import format_bytes
 from ort_offload.errors import BudgetTooSmallError, OffloadError
+from ort_offload.ort_logging import ort_log_severity
 from ort_offload.report import atomic_write_text, json_safe
 
 logger = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ def _stock_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> d
     # graph differ by 2e-3).
     options.intra_op_num_threads = 1
     options.use_deterministic_compute = True
+    options.log_severity_level = ort_log_severity()
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
