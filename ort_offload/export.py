@@ -236,6 +236,9 @@ def _export(
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
             raise InputMismatchError(f"example input {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.numel() == 0:
+            raise InputMismatchError(f"example input {i} has no elements (shape {list(t.shape)}): "
+                                     "a step needs at least one sample")
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
     target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
     if len(input_names) != len(example_inputs) or len(target_names) != len(example_targets):

@@ -8,6 +8,7 @@ and class labels for any vocabulary), booleans False.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Mapping, Sequence
 
@@ -19,21 +20,37 @@ from ort_offload import optimizers
 from ort_offload.errors import InputMismatchError
 
 _SHAPE_RE = re.compile(r"^\s*([^=\s]+)\s*=\s*(\d+(?:\s*[x,]\s*\d+)*)?\s*$")
+# The most elements one generated batch tensor may have (random values are drawn in host memory).
+MAX_INPUT_ELEMENTS = 2**30
 
 
 def parse_input_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """Parse ``name=8x128`` (or ``name=8,128``; ``name=`` for a scalar)."""
+    """Parse ``name=8x128`` (or ``name=8,128``; ``name=`` for a scalar); every dimension at
+    least 1 and at most :data:`MAX_INPUT_ELEMENTS` elements in all."""
     shapes = {}
     for spec in specs:
         match = _SHAPE_RE.match(spec)
         if not match:
             raise InputMismatchError(f"cannot parse --input {spec!r}: write NAME=DIMS, e.g. ids=8x128")
         dims = match.group(2)
-        shapes[match.group(1)] = tuple(int(d) for d in re.split(r"\s*[x,]\s*", dims)) if dims else ()
+        shape = tuple(int(d) for d in re.split(r"\s*[x,]\s*", dims)) if dims else ()
+        if any(d < 1 for d in shape):
+            raise InputMismatchError(f"--input {spec!r}: every dimension must be at least 1 (a batch needs a sample)")
+        if math.prod(shape) > MAX_INPUT_ELEMENTS:
+            raise InputMismatchError(f"--input {spec!r}: more than {MAX_INPUT_ELEMENTS} elements; give a smaller shape")
+        shapes[match.group(1)] = shape
     return shapes
 
 
 def _concrete_shape(name: str, dims, given: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    shape = _shape_from(name, dims, given)
+    if math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise InputMismatchError(f"input {name!r} of shape {list(shape)} has more than {MAX_INPUT_ELEMENTS} elements: "
+                                 "too large to fill with generated values")
+    return shape
+
+
+def _shape_from(name: str, dims, given: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
     if dims is None and name not in given:
         raise InputMismatchError(f"input {name!r} declares no shape: pass it, e.g. --input {name}=8x16")
     if name in given:

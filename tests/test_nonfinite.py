@@ -131,3 +131,11 @@ def _nan_step(trainer, ids, y):
         trainer.step(ids, y)
     finally:
         trainer.loss_fn = original
+
+
+def test_an_empty_example_batch_is_refused_before_the_export():
+    spec = get_model("mlp", "tiny")
+    ((x,), (y,)), = batches("mlp", 1)
+    with pytest.raises(InputMismatchError, match="no elements"):
+        ort_offload.create_ort_trainer(ort_offload.set_offload_device("cpu"), spec.model, loss_fn=spec.loss_fn,
+                                       example_inputs=(x[:0],), example_targets=(y[:0],))

@@ -166,3 +166,21 @@ def test_check_output_paths_api(tmp_path):
         check_output_paths({"out": tmp_path})
     with pytest.raises(OutputPathError):
         check_output_paths({"out": ""})
+
+
+def test_input_shapes_that_are_empty_or_too_large_are_refused(capsys, tmp_path):
+    import onnx
+    import onnx.helper as oh
+
+    nodes = [oh.make_node("Mul", ["x", "w"], ["xw"]), oh.make_node("ReduceSum", ["xw"], ["loss"], keepdims=0),
+             oh.make_node("Mul", ["w", "w"], ["w.updated"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [4]),
+                                       oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 4])],
+                          [oh.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, []),
+                           oh.make_tensor_value_info("w.updated", onnx.TensorProto.FLOAT, [4])])
+    path = tmp_path / "g.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)], ir_version=10), path)
+    expect_refused(capsys, "run", path, "--input", "x=99999999999x4", message="elements")
+    expect_refused(capsys, "inspect", path, "--input", "x=99999999999x4", message="elements")
+    expect_refused(capsys, "run", path, "--input", "x=0x4", message="at least 1")
+    assert run_cli("run", path, "--input", "x=2x4", "--steps", "1", "--quiet") == 0
