@@ -502,6 +502,7 @@ def _finish(trainer, args, extra: dict) -> int:
 
 def _export(args) -> int:
     from ort_offload.export import export_training_step
+    from ort_offload.files import sweep_stale_temps
     from ort_offload.optimizers import make_optimizer
 
     spec = _zoo_spec(args)
@@ -511,6 +512,7 @@ def _export(args) -> int:
         optimizer=make_optimizer(args.optimizer, lr=args.lr), input_names=spec.input_names,
         target_names=spec.target_names, dynamic_axes=spec.dynamic_axes, name=spec.name, cache_dir=args.cache_dir,
     )
+    sweep_stale_temps(args.output)
     result.graph.save(args.output)
     print(f"wrote {args.output}: {len(result.graph.graph.node)} nodes, inputs {', '.join(result.graph.data_inputs)}"
           f" ({'cache hit' if result.cache_hit else f'exported in {result.export_time_s:.1f} s'})")
@@ -540,6 +542,7 @@ def _load_graph_and_state(path, *, training_step: bool = True):
 
 
 def _transform(args) -> int:
+    from ort_offload.files import sweep_stale_temps
     from ort_offload.graph_inputs import parse_input_shapes
     from ort_offload.report import plot_timeline, write_json
     from ort_offload.trainer import resolve_passes
@@ -549,6 +552,7 @@ def _transform(args) -> int:
                                         device_profile=args.device_profile))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
+    sweep_stale_temps(args.output)
     result.graph.save(args.output)
     if args.json_path:
         write_json(result.report, args.json_path)

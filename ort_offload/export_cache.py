@@ -19,7 +19,7 @@ from typing import Callable
 
 import onnx
 
-from ort_offload.files import atomic_write_bytes
+from ort_offload.files import atomic_write_bytes, sweep_stale_temps
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def write_entry(entry: str | os.PathLike, save: Callable[[Path], object]) -> Pat
     entry = Path(entry)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale_temps(entry)
         save(entry)
         record = {"sha256": _digest(entry.read_bytes()),
                   "external": {p.name: _digest(p.read_bytes()) for p in _external_files(entry)}}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from graph_passes.shapes import check_inputs
-from graph_passes.training_graph import TrainingGraph
+from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload import optimizers
 from ort_offload.checkpoint import CHECKPOINT_FORMAT, Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
@@ -102,6 +102,8 @@ class OrtTrainer:
         self.losses: list[float] = []
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
         self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or state
+        # Updated state the model itself uses (not optimizer moments): what every step checks.
+        self._model_state = [n for n in graph.state_pairs if graph.roles.get(n) in (Role.PARAM, Role.BUFFER)]
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
         self.runner = GraphRunner(
@@ -172,9 +174,13 @@ class OrtTrainer:
 
     def _check_finite(self, loss: float | None, before: Mapping[str, np.ndarray] | None) -> None:
         """Count a step whose loss or updated state is not finite; with ``before`` (the state
-        it updated, as it was) restore that state and raise :class:`NonFiniteError`."""
+        it updated, as it was) restore that state and raise :class:`NonFiniteError`.
+
+        Without ``before`` only parameters and buffers are looked at: a non-finite optimizer
+        moment makes its parameter non-finite in the same update, at a third of the reads."""
+        names = before if before is not None else self._model_state
         where = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(
-            self.runtime.view, self.graph.state_pairs)
+            self.runtime.view, names)
         if where is None:
             return
         step = self._step_count + 1
