@@ -189,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except OSError as e:  # the file system refused a read or write the checks could not foresee
         where = f" ({e.filename})" if e.filename else ""
-        print(f"ort-offload: error: {_one_line(e.strerror or str(e))}{_one_line(where)}; nothing was written",
-              file=sys.stderr)
+        print(f"ort-offload: error: {_one_line(e.strerror or str(e))}{_one_line(where)}: check the path, its "
+              "permissions and the free space", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("ort-offload: interrupted", file=sys.stderr)
