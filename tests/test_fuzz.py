@@ -397,3 +397,68 @@ def test_the_real_process_prints_one_line(argv, tmp_path):
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert _snapshot(tmp_path) == before
+
+
+# ---- the API: devices, output paths and batches ---------------------------------------------------
+
+
+@settings(max_examples=QUICK * 2, **_SETTINGS)
+@given(budget=st.one_of(st.none(), BAD_BUDGETS, st.sampled_from(["0.5x", "64MiB", 4096])),
+       block_nodes=st.one_of(st.none(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=3)),
+       threads=st.one_of(st.integers(-2, 4), st.none(), st.text(max_size=2)),
+       policy=st.sampled_from(["best_fit", "double_buffer", "nope", ""]))
+def test_set_offload_device_returns_a_device_or_raises_an_offload_error(budget, block_nodes, threads, policy):
+    import ort_offload
+
+    try:
+        device = ort_offload.set_offload_device("cpu", budget=budget, max_block_nodes=block_nodes,
+                                                intra_op_threads=threads, arena_policy=policy)
+    except OffloadError as e:
+        assert "\n" not in str(e)
+        return
+    assert device.max_block_nodes is None or device.max_block_nodes >= 1
+
+
+@settings(max_examples=QUICK * 2, **_SETTINGS)
+@given(names=st.lists(st.text(alphabet="ab./\\x00 -", max_size=6), min_size=1, max_size=3))
+def test_output_path_checks_accept_or_raise_an_offload_error(names):
+    from ort_offload.validation import check_output_paths
+
+    root = Path(tempfile.mkdtemp(prefix="paths-"))
+    try:
+        (root / "a").mkdir()
+        (root / "b").write_text("input")
+        before = _snapshot(root)
+        outputs = {f"--out{i}": str(root / n) if n else "" for i, n in enumerate(names)}
+        with contextlib.suppress(OffloadError):
+            check_output_paths(outputs, inputs=[root / "b"])
+        assert _snapshot(root) == before
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_trainer():
+    from helpers import train_ort
+
+    return train_ort("gpt", steps=1, optimizer="adamw").trainer
+
+
+ARRAYS = st.tuples(
+    st.sampled_from(["float32", "float64", "int64", "int32", "bool", "float16"]),
+    st.lists(st.integers(0, 20), max_size=3),
+    st.integers(-70000, 70000),
+).map(lambda t: np.full(t[1], t[2]).astype(t[0]))
+
+
+@settings(max_examples=QUICK * 2, **_SETTINGS)
+@given(batch=st.lists(ARRAYS, min_size=0, max_size=3))
+def test_bad_batches_raise_input_mismatch_and_keep_the_state(gpt_trainer, batch):
+    """A step on arrays of any dtype, shape and value: it trains, or an OffloadError leaves the state as it was."""
+    before, steps = gpt_trainer.state_dict(), gpt_trainer.steps_done
+    try:
+        gpt_trainer.step(*batch)
+    except OffloadError as e:
+        assert "\n" not in str(e)
+        after = gpt_trainer.state_dict()
+        assert all(before[k].tobytes() == after[k].tobytes() for k in before) and gpt_trainer.steps_done == steps
