@@ -21,7 +21,7 @@ from graph_passes.liveness import consumed_names
 from graph_passes.program import Block
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
-from ort_offload.ort_logging import ort_log_severity
+from ort_offload.ort_logging import ort_error_summary, ort_log_severity
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class BlockSession:
             )
         except Exception as e:
             raise UnsupportedGraphError(
-                f"ONNX Runtime cannot run block {block.index} ({str(e).splitlines()[0]}); "
+                f"ONNX Runtime cannot run block {block.index} ({ort_error_summary(e)}); "
                 "the graph uses an op this onnxruntime build has no kernel for"
             ) from e
         self.binding = self.session.io_binding()

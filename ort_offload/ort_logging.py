@@ -11,6 +11,7 @@ this module sits at the bottom (standard library only), so the graph passes use 
 from __future__ import annotations
 
 import logging
+import re
 
 ORT_LOGGER_NAME = "onnxruntime"
 # ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
@@ -25,3 +26,16 @@ def ort_log_severity() -> int:
     if level <= logging.INFO:
         return _SEVERITY_WARNING
     return _SEVERITY_FATAL
+
+
+_PREFIXES = re.compile(r"^(?:\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*)?(?:Error in execution:\s*)?")
+# "/onnxruntime_src/.../reshape_helper.h:91 onnxruntime::ReshapeHelper::ReshapeHelper(const ...&, bool) "
+_SOURCE_LOCATION = re.compile(r"/onnxruntime_src/\S+:\d+ [\w:~<>, ]+\([^()]*\)(?: const)? ")
+
+
+def ort_error_summary(error: BaseException) -> str:
+    """The first line of an ONNX Runtime exception without its status prefix and C++ source
+    locations: what went wrong, short enough for a one-line error."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return _SOURCE_LOCATION.sub("", _PREFIXES.sub("", first)).strip() or first

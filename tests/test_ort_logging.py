@@ -60,3 +60,16 @@ def test_severity_follows_the_logger_level(ort_logger_level):
     for level, severity in ((logging.DEBUG, 1), (logging.INFO, 2), (logging.WARNING, 4), (logging.ERROR, 4)):
         ort_logger_level.setLevel(level)
         assert ort_log_severity() == severity
+
+
+def test_error_summary_drops_status_prefixes_and_source_locations():
+    from ort_offload.ort_logging import ort_error_summary
+
+    raw = ("[ONNXRuntimeError] : 1 : FAIL : Error in execution: Non-zero status code returned while running Reshape "
+           "node. Name:'' Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:91 "
+           "onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, bool) input_shape_size == "
+           "requested_shape_size was false.\nsecond line")
+    assert ort_error_summary(RuntimeError(raw)) == (
+        "Non-zero status code returned while running Reshape node. Name:'' Status Message: input_shape_size == "
+        "requested_shape_size was false.")
+    assert ort_error_summary(RuntimeError("")) == "RuntimeError"
