@@ -98,8 +98,11 @@ def _verify(entry: Path, data: bytes) -> str | None:
     try:
         if _digest(data) != expected:
             return "damaged (its content does not match its hash)"
-        for path in _external_files(entry):
-            if external.get(path.name) != _digest(path.read_bytes()):
+        present = _external_files(entry)
+        if sorted(p.name for p in present) != sorted(external):
+            return "incomplete (its external data files are not the ones it was written with)"
+        for path in present:
+            if external[path.name] != _digest(path.read_bytes()):
                 return f"damaged (its data file {path.name} does not match its hash)"
     except OSError as e:
         return f"unreadable ({e.strerror or e})"

@@ -108,3 +108,30 @@ def test_a_damaged_block_step_entry_is_exported_again(tmp_path, caplog):
     assert not again.cache_hit and any("exporting again" in r.getMessage() for r in caplog.records)
     assert len(again.model.graph.node) == len(first.model.graph.node)
     assert export_block_step(block, args, cache_dir=tmp_path).cache_hit
+
+
+def test_entries_with_external_data_are_verified_file_by_file(tmp_path, caplog):
+    import numpy as np
+    import onnx.helper as oh
+    from onnx import numpy_helper
+
+    from graph_passes.training_graph import TrainingGraph
+    from ort_offload.export_cache import read_entry, write_entry
+
+    weight = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    graph = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+                          initializer=[numpy_helper.from_array(weight, "w")])
+    entry = tmp_path / "big.onnx"
+    write_entry(entry, lambda p: TrainingGraph.from_model(oh.make_model(graph)).save(p, external_data_bytes=1000))
+    data = entry.with_name("big.onnx.data")
+    assert data.exists()
+    np.testing.assert_array_equal(numpy_helper.to_array(read_entry(entry).graph.initializer[0]), weight)
+    original = data.read_bytes()
+    data.write_bytes(original[:-4] + b"\0\0\0\1")
+    with caplog.at_level(logging.WARNING):
+        assert read_entry(entry) is None
+    data.unlink()
+    assert read_entry(entry) is None
+    assert sum("exporting again" in r.getMessage() for r in caplog.records) == 2
