@@ -64,7 +64,15 @@ def json_safe(value: Any) -> Any:
 
 def to_json(report: Mapping[str, Any]) -> str:
     """The report as strict JSON text (non-finite numbers as ``null``)."""
-    return json.dumps(json_safe(dict(report)), indent=2, allow_nan=False, default=str) + "\n"
+    return json.dumps(json_safe(dict(report)), indent=2, allow_nan=False, default=_number_or_text) + "\n"
+
+
+def _number_or_text(value: Any) -> Any:
+    """JSON for an object json does not know: its number (e.g. a 0-d tensor) if it has one, else its text."""
+    try:
+        return json_safe(float(value))
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def write_json(report: Mapping[str, Any], path: str | os.PathLike) -> Path:

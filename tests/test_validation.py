@@ -184,3 +184,31 @@ def test_input_shapes_that_are_empty_or_too_large_are_refused(capsys, tmp_path):
     expect_refused(capsys, "inspect", path, "--input", "x=99999999999x4", message="elements")
     expect_refused(capsys, "run", path, "--input", "x=0x4", message="at least 1")
     assert run_cli("run", path, "--input", "x=2x4", "--steps", "1", "--quiet") == 0
+
+
+def test_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
+    import os
+
+    from ort_offload.validation import check_directory, check_output_path
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user without write permission sees it
+    with pytest.raises(OutputPathError, match="not writable"):
+        check_output_path(tmp_path / "r.json", name="--json")
+    with pytest.raises(OutputPathError, match="not writable"):
+        check_directory(tmp_path / "cache", name="--cache-dir")
+
+
+def test_reports_are_strict_json_for_any_value():
+    import json
+    import math
+
+    import numpy as np
+    import torch
+
+    from ort_offload.report import to_json
+
+    text = to_json({"a": math.nan, "b": [1.0, math.inf], "c": np.float32("nan"), "d": np.int64(3),
+                    "e": torch.tensor(2.5), "f": object})
+    parsed = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert parsed["a"] is None and parsed["b"] == [1.0, None] and parsed["c"] is None and parsed["d"] == 3
+    assert parsed["e"] == 2.5 and isinstance(parsed["f"], str)
