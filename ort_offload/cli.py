@@ -568,10 +568,8 @@ def _transform(args) -> int:
 
 
 def _inspect(args) -> int:
-    import json
-
     from ort_offload.graph_inputs import parse_input_shapes
-    from ort_offload.report import write_json
+    from ort_offload.report import to_json, write_json
     from ort_offload.transform import inspect_graph
 
     graph = _load_graph(args.graph, training_step=False)
@@ -579,7 +577,7 @@ def _inspect(args) -> int:
     summary = inspect_graph(graph, _device(argparse.Namespace(device="cpu", budget=None, block_nodes=None)), shapes)
     if args.json_path:
         write_json(summary, args.json_path)
-    print(json.dumps(summary, indent=2))
+    print(to_json(summary), end="")
     return 0
 
 
