@@ -22,7 +22,8 @@ import torch
 from graph_passes.shapes import check_inputs
 from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload import optimizers
-from ort_offload.checkpoint import CHECKPOINT_FORMAT, Checkpoint, check_state, read_checkpoint, write_checkpoint
+from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
+from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError
 from ort_offload.export import export_forward, export_training_step, initial_state
