@@ -116,10 +116,11 @@ def gather_index_limits(model, table_shapes: Mapping[str, Sequence[int]],
     """Batch inputs that index a table: name -> (rows of the table, the table's name).
 
     A batch input (or a value it passes through unchanged: Cast, Reshape...) used as the
-    indices of a ``Gather`` whose data is a state tensor (an embedding) must hold ids in
+    indices of a ``Gather`` whose data is a state tensor or an initializer (an embedding) must hold ids in
     ``0 .. rows - 1``; torch raises on anything else, ONNX Runtime would wrap negative ones.
     """
     source = {n: n for n in batch_names}
+    table_shapes = {**{t.name: tuple(t.dims) for t in model.graph.initializer}, **table_shapes}
     limits: dict[str, tuple[int, str]] = {}
     for node in model.graph.node:
         if node.op_type in _INDEX_PASSTHROUGH and node.input and node.input[0] in source:

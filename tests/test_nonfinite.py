@@ -139,3 +139,19 @@ def test_an_empty_example_batch_is_refused_before_the_export():
     with pytest.raises(InputMismatchError, match="no elements"):
         ort_offload.create_ort_trainer(ort_offload.set_offload_device("cpu"), spec.model, loss_fn=spec.loss_fn,
                                        example_inputs=(x[:0],), example_targets=(y[:0],))
+
+
+def test_index_limits_follow_gathers_through_casts_into_states_and_initializers():
+    import onnx
+    import onnx.helper as oh
+
+    from ort_offload.graph_inputs import gather_index_limits
+
+    nodes = [oh.make_node("Cast", ["ids"], ["ids64"], to=onnx.TensorProto.INT64),
+             oh.make_node("Gather", ["emb", "ids64"], ["e"]),
+             oh.make_node("Gather", ["frozen", "tags"], ["f"], axis=1),
+             oh.make_node("Gather", ["emb", "other"], ["g"])]  # "other" is not a batch input
+    graph = oh.make_graph(nodes, "g", [], [], initializer=[oh.make_tensor("frozen", onnx.TensorProto.FLOAT, [2, 7],
+                                                                          [0.0] * 14)])
+    limits = gather_index_limits(oh.make_model(graph), {"emb": (50, 8)}, ["ids", "tags"])
+    assert limits == {"ids": (50, "emb"), "tags": (7, "frozen")}
