@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench zoo zoo-quick clean compat compat-test setup-gpu test-gpu
+.PHONY: setup run test test-all bench zoo zoo-quick clean compat compat-test setup-gpu test-gpu
 
 setup: $(STAMP)
 
@@ -69,7 +69,11 @@ compat-test: compat
 run: setup
 	$(PY) -m ort_offload train --model gpt --config small --budget 1.0x --steps 10 --verify
 
+# The suite without the slow reliability tests (fuzzing, kill loops); test-all runs everything.
 test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: setup
 	$(PY) -m pytest -q
 
 bench: setup

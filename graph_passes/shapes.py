@@ -22,6 +22,7 @@ from graph_passes.liveness import ancestor_nodes, node_io
 
 # The error hierarchy is a leaf module shared by every package.
 from ort_offload.errors import InputMismatchError, ModelLoadError
+from ort_offload.ort_logging import ort_log_severity
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ def _quiet_options():
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     return options
 
 

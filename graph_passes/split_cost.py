@@ -27,6 +27,7 @@ import onnx.numpy_helper
 from graph_passes.cost_model import CostModel
 from graph_passes.shapes import TensorInfo
 from graph_passes.split_rules import constant_values
+from ort_offload.ort_logging import ort_log_severity
 
 
 def split_memory_saving(input_bytes: int, output_bytes: int, parts: int) -> int:
@@ -61,7 +62,7 @@ def measure_node_times(
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     times: dict[str, float] = {}
     for node in nodes:
         if node.op_type == "Constant" or not node.name:

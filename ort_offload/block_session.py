@@ -22,6 +22,7 @@ from graph_passes.program import Block
 from graph_passes.shapes import TensorInfo
 from ort_offload.errors import UnsupportedGraphError
 from ort_offload.host_slots import HostSlots
+from ort_offload.ort_logging import ort_error_summary, ort_log_severity
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class _Variant:
             )
         except Exception as e:
             raise UnsupportedGraphError(
-                f"ONNX Runtime cannot run block {block.index} ({str(e).splitlines()[0]}); "
+                f"ONNX Runtime cannot run block {block.index} ({ort_error_summary(e)}); "
                 "the graph uses an op this onnxruntime build has no kernel for"
             ) from e
         self.binding = self.session.io_binding()
@@ -169,7 +170,7 @@ def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False
     # none, cnn small 294 vs 286-290 (basic vs all: 169 vs 161 ms measured earlier).
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = intra_op_threads
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     # Bitwise-reproducible steps: without it, multi-threaded reductions (e.g. the embedding
     # gradient's scatter-add) sum in varying order and two identical runs drift apart.
     options.use_deterministic_compute = True

@@ -62,6 +62,8 @@ from ort_offload.export import (
     _structure_fingerprint,
     default_cache_dir,
 )
+from ort_offload.export_cache import read_entry, write_entry
+from ort_offload.files import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +183,9 @@ def export_block_step(
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = directory / f"block-{type(block).__name__}-{key}.onnx"
     start = time.perf_counter()
-    if use_cache and path.exists():
+    model = read_entry(path) if use_cache else None  # verified against its content hash
+    if model is not None:
         try:
-            model = onnx.load(path)
             meta = json.loads({p.key: p.value for p in model.metadata_props}[_METADATA_KEY])
             elapsed = time.perf_counter() - start
             logger.info("block step cache hit for %s in %.3f s", type(block).__name__, elapsed)
@@ -198,10 +200,7 @@ def export_block_step(
     logger.info("exported the step of %s %s: %d nodes in %.2f s", type(block).__name__,
                 [list(a.shape) for a in args], len(step.model.graph.node), elapsed)
     if use_cache:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        onnx.save(step.model, tmp)
-        os.replace(tmp, path)
+        write_entry(path, lambda target: atomic_write_bytes(target, step.model.SerializeToString()))
     return step
 
 

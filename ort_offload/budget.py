@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 
 from ort_offload.errors import BudgetParseError
@@ -32,6 +33,8 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _FRACTION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*x\s*$", re.IGNORECASE)
 
+# Larger than any device: a bigger budget is a typo (1e400) or means "unlimited" (omit it).
+MAX_BUDGET_BYTES = 2**60
 _HELP = "write bytes (1048576), a size (64MiB, 1.5GiB, 200MB) or a fraction of the unplanned peak (0.5x)"
 
 
@@ -63,28 +66,41 @@ class Budget:
 
 
 def parse_budget(text: str | int | float | Budget | None) -> Budget | None:
-    """Parse a user-written budget; ``None`` means unlimited."""
+    """Parse a user-written budget; ``None`` means unlimited.
+
+    Refuses (:class:`BudgetParseError`) anything not finite and positive, and byte counts over
+    :data:`MAX_BUDGET_BYTES`, so that no later step meets an infinite or overflowing budget.
+    """
     if text is None or isinstance(text, Budget):
         return text
     if isinstance(text, bool):
         raise BudgetParseError(f"budget {text!r} is not a size: {_HELP}")
-    if isinstance(text, (int, float)):
-        if text <= 0 or not math.isfinite(text):
-            raise BudgetParseError(f"budget must be positive, got {text!r}: {_HELP}")
-        return Budget(nbytes=int(text))
+    if isinstance(text, numbers.Real):
+        return Budget(nbytes=_checked_bytes(float(text) if isinstance(text, float) else text, text))
+    if not isinstance(text, str):
+        raise BudgetParseError(f"budget {text!r} is a {type(text).__name__}, not a size: {_HELP}")
     match = _FRACTION_RE.match(text)
     if match:
         fraction = float(match.group(1))
-        if fraction <= 0:
-            raise BudgetParseError(f"budget fraction must be positive, got {text!r}: {_HELP}")
+        if not (math.isfinite(fraction) and fraction > 0):
+            raise BudgetParseError(f"budget fraction must be positive and finite, got {text!r}: {_HELP}")
         return Budget(fraction=fraction)
     match = _SIZE_RE.match(text)
     if not match or match.group(2).lower() not in _UNITS:
         raise BudgetParseError(f"cannot parse budget {text!r}: {_HELP}")
-    nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return Budget(nbytes=_checked_bytes(float(match.group(1)) * _UNITS[match.group(2).lower()], text))
+
+
+def _checked_bytes(value: int | float, text) -> int:
+    """``value`` as whole bytes if it is finite, at least one byte and at most the maximum."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BudgetParseError(f"budget must be finite, got {text!r}: {_HELP}")
+    if value > MAX_BUDGET_BYTES:
+        raise BudgetParseError(f"budget {text!r} is over 1 EiB: omit it for an unlimited budget")
+    nbytes = int(value)
     if nbytes <= 0:
-        raise BudgetParseError(f"budget must be positive, got {text!r}: {_HELP}")
-    return Budget(nbytes=nbytes)
+        raise BudgetParseError(f"budget must be at least one byte, got {text!r}: {_HELP}")
+    return nbytes
 
 
 def format_bytes(nbytes: int | float | None) -> str:

@@ -22,6 +22,28 @@ from typing import Sequence
 EXIT_USAGE = 2
 EXIT_REGRESSION = 1
 DEFAULT_ZOO_BASELINE = "zoo-baseline.json"
+# Upper bounds of counts: the CLI makes every step's batch up front, and a bigger batch,
+# sequence or pilot width is a typo rather than a run this machine could finish.
+MAX_STEPS = 1_000_000
+MAX_SIZE = 2**20
+MAX_SAMPLES = 10_000_000
+# (option, attribute, largest value, hint) of every count option; the smallest is 1 for all.
+COUNT_OPTIONS = (
+    ("--steps", "steps", MAX_STEPS, ""),
+    ("--batch", "batch", MAX_SIZE, ""),
+    ("--seq", "seq", MAX_SIZE, ""),
+    ("--block-nodes", "block_nodes", None, "; omit it for the largest blocks that fit the budget"),
+    ("--samples", "samples", MAX_SAMPLES, ""),
+    ("--test-samples", "test_samples", MAX_SAMPLES, ""),
+    ("--hidden", "hidden", MAX_SIZE, ""),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse under the CLI's error contract: one line on stderr and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
 
 
 def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
@@ -32,17 +54,21 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of device bytes over one step")
     parser.add_argument("--device", default="cpu", help="device to run on: cpu, cuda or cuda:N (needs onnxruntime-gpu)")
-    parser.add_argument("--block-nodes", type=int, default=None, help="max nodes per execution block")
+    parser.add_argument("--block-nodes", type=int, default=None,
+                        help="max nodes per execution block, at least 1 (default: the largest blocks that fit the budget)")
     parser.add_argument("--arena-policy", default="best_fit", choices=_arena_policies(),
                         help="where the arena places tensors (double_buffer: work and migration halves)")
     parser.add_argument("--recompute-policy", default="input_aware", choices=_recompute_policies(),
                         help="recompute plans per input size (input_aware, Mimose) or one for every size (static)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-on-nonfinite", action="store_true",
+                        help="stop (exit code 2) at the first step whose loss or update is NaN or infinite, "
+                             "before it changes the state (default: count such steps and warn)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ort-offload", description="Train models larger than device memory on ONNX Runtime.")
+    parser = _Parser(prog="ort-offload", description="Train models larger than device memory on ONNX Runtime.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -139,10 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
+    _route_onnxruntime_log()
     from models import UnknownModelError as ZooUnknownModel
     from ort_offload.errors import OffloadError
 
     try:
+        _validate(args)
         if args.command == "train":
             return _train(args)
         if args.command == "export":
@@ -157,11 +185,72 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _pilot_train(args)
         return _run(args)
     except (OffloadError, ZooUnknownModel) as e:
-        print(f"ort-offload: error: {e}", file=sys.stderr)
+        print(f"ort-offload: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # the file system refused a read or write the checks could not foresee
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"ort-offload: error: {_one_line(e.strerror or str(e))}{_one_line(where)}: check the path, its "
+              "permissions and the free space", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("ort-offload: interrupted", file=sys.stderr)
         return 130
+
+
+def _route_onnxruntime_log() -> None:
+    """ONNX Runtime's default logger at the severity our verbosity asks for (ort_offload.ort_logging)."""
+    import onnxruntime as ort
+
+    from ort_offload.ort_logging import ort_log_severity
+
+    ort.set_default_logger_severity(ort_log_severity())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ---- checks before any work ---------------------------------------------------------------------
+
+
+def _validate(args) -> None:
+    """Check every user-given value of ``args`` before any work: counts, seed, learning rate,
+    budgets, output paths and directories. A refused command has written and changed nothing."""
+    from ort_offload.budget import parse_budget
+    from ort_offload.validation import check_count, check_directory, check_learning_rate, check_seed
+
+    for flag, attr, maximum, hint in COUNT_OPTIONS:
+        if getattr(args, attr, None) is not None:
+            check_count(getattr(args, attr), name=flag, minimum=1, maximum=maximum, hint=hint)
+    if getattr(args, "seed", None) is not None:
+        check_seed(args.seed)
+    if getattr(args, "lr", None) is not None:
+        check_learning_rate(args.lr, name="--lr")
+    if getattr(args, "budget", None) is not None:
+        parse_budget(args.budget)
+    if getattr(args, "cache_dir", None) is not None:
+        check_directory(args.cache_dir, name="--cache-dir")
+    if args.command == "zoo":
+        _zoo_budgets(args)
+    _validate_paths(args)
+
+
+def _validate_paths(args) -> None:
+    """Outputs: writable files, none a directory, an input of the command or another output."""
+    from ort_offload.validation import check_output_paths
+
+    graph = getattr(args, "graph", None)
+    inputs = [graph, f"{graph}.data"] if graph is not None else []
+    outputs = {
+        "-o": getattr(args, "output", None),
+        "--json" if args.command != "transform" else "--report": getattr(args, "json_path", None),
+        "--plot": getattr(args, "plot_path", None),
+        "--markdown": getattr(args, "markdown_path", None),
+        "--misprediction-log": getattr(args, "misprediction_log", None),
+    }
+    if args.command == "zoo":
+        outputs["--baseline"] = _zoo_baseline_path(args)
+    check_output_paths(outputs, inputs=inputs)
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -206,14 +295,6 @@ def _batch(spec, args, step: int, seq: int | None = None):
         raise InputMismatchError(str(e)) from e
 
 
-def _check_outputs_writable(*paths) -> None:
-    from ort_offload.errors import OffloadError
-
-    for path in paths:
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise OffloadError(f"cannot write {path}: directory {Path(path).resolve().parent} does not exist")
-
-
 def _profile_names() -> list[str]:
     from graph_passes.device_profiles import profile_names
 
@@ -236,7 +317,7 @@ def _device(args):
     import ort_offload
 
     return ort_offload.set_offload_device(
-        args.device, budget=args.budget, **({"max_block_nodes": args.block_nodes} if args.block_nodes else {}),
+        args.device, budget=args.budget, max_block_nodes=args.block_nodes,
         arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
         recompute_policy=getattr(args, "recompute_policy", "input_aware"),
     )
@@ -244,11 +325,7 @@ def _device(args):
 
 def _train(args) -> int:
     import ort_offload
-    from ort_offload.errors import OffloadError
 
-    _check_outputs_writable(args.json_path, args.plot_path)
-    if args.steps < 1:
-        raise OffloadError("--steps must be at least 1")
     device = _device(args)
     if _is_dynamic_name(args.model):
         return _train_dynamic(args, device)
@@ -259,7 +336,8 @@ def _train(args) -> int:
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
-        optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir, **options,
+        optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir,
+        stop_on_nonfinite=args.stop_on_nonfinite, **options,
     )
     batches = [_batch(spec, args, step, lengths[step]) for step in range(args.steps)]
     _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)
@@ -288,8 +366,6 @@ def _train_dynamic(args, device) -> int:
             raise OffloadError(f"{flag} does not apply to dynamic models (trained block-wise); drop it")
     if args.passes not in ("auto", "none"):
         raise OffloadError("--passes does not apply to dynamic models: block-wise training offloads by prefetch; drop it")
-    if args.misprediction_log is not None:
-        _check_outputs_writable(args.misprediction_log)
     try:
         spec = get_dynamic_model(args.model, args.config, seed=args.seed)
     except ValueError as e:
@@ -311,7 +387,7 @@ def _train_dynamic(args, device) -> int:
     trainer = BlockwiseTrainer(
         spec.model, spec.loss_fn, device=device, predictor=predictor, optimizer=args.optimizer,
         lr=args.lr if args.lr is not None else 1e-3, name=f"{spec.name}-{spec.config_name}",
-        cache_dir=args.cache_dir, misprediction_log=args.misprediction_log,
+        cache_dir=args.cache_dir, misprediction_log=args.misprediction_log, stop_on_nonfinite=args.stop_on_nonfinite,
     )
     try:
         batches = []
@@ -406,6 +482,10 @@ def _finish(trainer, args, extra: dict) -> int:
     from ort_offload.report import plot_timeline, render_table, write_json
 
     report = trainer.report()
+    if report.get("nonfinite_steps"):
+        print(f"ort-offload: warning: {report['nonfinite_steps']} of {report['steps']} "
+              f"steps gave NaN or infinite values (first: step {trainer.nonfinite_steps[0]}; null in the JSON report): "
+              "lower --lr or check the inputs; --stop-on-nonfinite stops at the first", file=sys.stderr)
     if getattr(args, "plot_path", None):
         plot_timeline(args.plot_path, baseline=trainer.runner.baseline_trace, planned=trainer.runner.last_trace,
                       budget_bytes=report["budget_bytes"], title=f"{report['model']}: device bytes over one step")
@@ -422,9 +502,9 @@ def _finish(trainer, args, extra: dict) -> int:
 
 def _export(args) -> int:
     from ort_offload.export import export_training_step
+    from ort_offload.files import sweep_stale_temps
     from ort_offload.optimizers import make_optimizer
 
-    _check_outputs_writable(args.output)
     spec = _zoo_spec(args)
     inputs, targets = _batch(spec, args, 0)
     result = export_training_step(
@@ -432,6 +512,7 @@ def _export(args) -> int:
         optimizer=make_optimizer(args.optimizer, lr=args.lr), input_names=spec.input_names,
         target_names=spec.target_names, dynamic_axes=spec.dynamic_axes, name=spec.name, cache_dir=args.cache_dir,
     )
+    sweep_stale_temps(args.output)
     result.graph.save(args.output)
     print(f"wrote {args.output}: {len(result.graph.graph.node)} nodes, inputs {', '.join(result.graph.data_inputs)}"
           f" ({'cache hit' if result.cache_hit else f'exported in {result.export_time_s:.1f} s'})")
@@ -461,16 +542,17 @@ def _load_graph_and_state(path, *, training_step: bool = True):
 
 
 def _transform(args) -> int:
+    from ort_offload.files import sweep_stale_temps
     from ort_offload.graph_inputs import parse_input_shapes
     from ort_offload.report import plot_timeline, write_json
     from ort_offload.trainer import resolve_passes
     from ort_offload.transform import transform
 
-    _check_outputs_writable(args.output, args.json_path, args.plot_path)
     device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None,
                                         device_profile=args.device_profile))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
+    sweep_stale_temps(args.output)
     result.graph.save(args.output)
     if args.json_path:
         write_json(result.report, args.json_path)
@@ -486,19 +568,16 @@ def _transform(args) -> int:
 
 
 def _inspect(args) -> int:
-    import json
-
     from ort_offload.graph_inputs import parse_input_shapes
-    from ort_offload.report import write_json
+    from ort_offload.report import to_json, write_json
     from ort_offload.transform import inspect_graph
 
-    _check_outputs_writable(args.json_path)
     graph = _load_graph(args.graph, training_step=False)
     shapes = parse_input_shapes(args.input) if args.input else None
     summary = inspect_graph(graph, _device(argparse.Namespace(device="cpu", budget=None, block_nodes=None)), shapes)
     if args.json_path:
         write_json(summary, args.json_path)
-    print(json.dumps(summary, indent=2))
+    print(to_json(summary), end="")
     return 0
 
 
@@ -548,21 +627,13 @@ def _zoo(args) -> int:
     from ort_offload.report import atomic_write_text
     from ort_offload.trainer import resolve_passes
 
-    _check_outputs_writable(args.json_path, args.markdown_path)
-    if args.steps < 1:
-        raise OffloadError("--steps must be at least 1")
-    budgets = tuple(b.strip() for b in args.budgets.split(",")) if args.budgets else \
-        (zoo.QUICK_BUDGETS if args.quick else zoo.ZOO_BUDGETS)
-    for label in budgets:
-        if label != "min" and not (label.endswith("x") and _is_positive_float(label[:-1])):
-            raise OffloadError(f"--budgets {label!r}: use fractions of the unplanned peak such as 0.5x, or min")
+    budgets = _zoo_budgets(args)
     passes = resolve_passes(args.passes)
     if not passes:
         raise OffloadError("--passes none cannot meet a budget below the unplanned peak: use auto, swap or recompute")
     only = [m.strip() for m in args.models.split(",")] if args.models else None
     cases = zoo.zoo_cases(quick=args.quick, only=only)
-    baseline_path = Path(args.baseline or ("zoo-baseline-quick.json" if args.quick else DEFAULT_ZOO_BASELINE))
-    _check_outputs_writable(baseline_path)
+    baseline_path = _zoo_baseline_path(args)
     baseline = zoo.load_baseline(baseline_path)
     results = zoo.run_zoo(cases, budgets=budgets, steps=args.steps, passes=passes, progress=not args.quiet)
     table = zoo.render_markdown(results, budgets, baseline)
@@ -583,21 +654,35 @@ def _zoo(args) -> int:
     return 0
 
 
-def _is_positive_float(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
+def _zoo_baseline_path(args) -> Path:
+    return Path(args.baseline or ("zoo-baseline-quick.json" if args.quick else DEFAULT_ZOO_BASELINE))
+
+
+def _zoo_budgets(args) -> tuple[str, ...]:
+    """The zoo's budget labels: fractions of the unplanned peak (``0.5x``) or ``min``."""
+    from ort_offload import zoo
+    from ort_offload.budget import parse_budget
+    from ort_offload.errors import BudgetParseError, OffloadError
+
+    if args.budgets is None:
+        return zoo.QUICK_BUDGETS if args.quick else zoo.ZOO_BUDGETS
+    budgets = tuple(b.strip() for b in args.budgets.split(","))
+    for label in budgets:
+        if label == "min":
+            continue
+        try:
+            fraction = parse_budget(label).is_fraction
+        except BudgetParseError:
+            fraction = False
+        if not fraction:
+            raise OffloadError(f"--budgets {label!r}: use fractions of the unplanned peak such as 0.5x, or min")
+    return budgets
 
 
 def _run(args) -> int:
-    from ort_offload.errors import OffloadError
     from ort_offload.graph_inputs import parse_input_shapes, random_batch, random_state
     from ort_offload.trainer import OrtTrainer, resolve_passes
 
-    _check_outputs_writable(args.json_path, args.plot_path)
-    if args.steps < 1:
-        raise OffloadError("--steps must be at least 1")
     device = _device(args)
     passes = resolve_passes(args.passes)
     graph, values = _load_graph_and_state(args.graph)
@@ -606,7 +691,7 @@ def _run(args) -> int:
     batches = [random_batch(graph, shapes, seed=args.seed * 100003 + step) for step in range(args.steps)]
     trainer = OrtTrainer(
         device, graph, initial_state=state, example_batch=batches[0],
-        input_names=graph.data_inputs, target_names=[], passes=passes,
+        input_names=graph.data_inputs, target_names=[], passes=passes, stop_on_nonfinite=args.stop_on_nonfinite,
     )
     _run_steps(trainer, [tuple(b[n] for n in graph.data_inputs) for b in batches], quiet=args.quiet)
     return _finish(trainer, args, {})

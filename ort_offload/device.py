@@ -15,7 +15,8 @@ from graph_passes.device_profiles import profile_names
 from graph_passes.memory import DEFAULT_ALIGNMENT
 from ort_offload.arena import ARENA_POLICIES
 from ort_offload.budget import Budget, parse_budget
-from ort_offload.errors import UnknownDeviceError
+from ort_offload.errors import InvalidArgumentError, UnknownDeviceError
+from ort_offload.validation import check_count
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 RECOMPUTE_POLICIES = ("input_aware", "static")
@@ -108,12 +109,13 @@ def set_offload_device(
         raise UnknownDeviceError(f"device_id={device_id} needs a CUDA device: use kind 'cuda'")
     if name not in SUPPORTED_DEVICES:
         raise UnknownDeviceError(f"unknown device {kind!r}: use one of {', '.join(SUPPORTED_DEVICES)}")
-    if max_block_nodes is not None and max_block_nodes < 1:
-        raise ValueError("max_block_nodes must be at least 1")
+    if max_block_nodes is not None:  # None: the runtime picks the largest blocks that fit
+        check_count(max_block_nodes, name="max_block_nodes", minimum=1)
+    check_count(intra_op_threads, name="intra_op_threads", minimum=0)
     if arena_policy not in ARENA_POLICIES:
-        raise ValueError(f"unknown arena policy {arena_policy!r}: use one of {', '.join(ARENA_POLICIES)}")
+        raise InvalidArgumentError(f"unknown arena policy {arena_policy!r}: use one of {', '.join(ARENA_POLICIES)}")
     if recompute_policy not in RECOMPUTE_POLICIES:
-        raise ValueError(f"unknown recompute policy {recompute_policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
+        raise InvalidArgumentError(f"unknown recompute policy {recompute_policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
     if planning_profile is not None and planning_profile not in profile_names():
         raise UnknownDeviceError(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"

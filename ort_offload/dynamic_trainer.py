@@ -19,6 +19,8 @@ parameters exactly as plain torch training would have them. A budget written as 
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import statistics
 import time
@@ -30,9 +32,12 @@ import torch
 from ort_offload.blockwise import BlockStepCache, HostExecutor, default_blocks, unwrap_blocks, wrap_blocks
 from ort_offload.device import OffloadDevice
 from ort_offload.dynamic_runtime import BlockRuntime
-from ort_offload.errors import InputMismatchError
+from ort_offload.errors import InputMismatchError, NonFiniteError
 from ort_offload.report import REPORT_KEYS
+from ort_offload.validation import check_learning_rate
 from pilot.prediction import NoPredictor, PathPredictor
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BlockwiseTrainer", "DYNAMIC_REPORT_KEYS", "is_dynamic_model"]
 
@@ -95,7 +100,9 @@ class BlockwiseTrainer:
         measure_baseline: bool = True,
         arena_policy: str = "double_buffer",
         residency: str = "offload",
+        stop_on_nonfinite: bool = False,
     ) -> None:
+        check_learning_rate(lr, name="lr")
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         elif optimizer == "sgd":
@@ -129,6 +136,8 @@ class BlockwiseTrainer:
         self.budget_bytes: int | None = None
         self.losses: list[float] = []
         self.step_times: list[float] = []
+        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or gradient
         if device is None:
             wrap_blocks(model, self.blocks, cache=self.cache, executor=HostExecutor())
         # With a device the blocks are wrapped at the first step, once the budget is resolved.
@@ -200,11 +209,29 @@ class BlockwiseTrainer:
             if runtime is not None:
                 runtime.end_step()
             raise
+        self._check_finite(float(loss.detach()))
         self.optimizer.step()
         self.step_times.append(time.perf_counter() - started)
         value = float(loss.detach())
         self.losses.append(value)
         return value
+
+    def _check_finite(self, loss: float) -> None:
+        """Count a step whose loss or gradients are not finite; with ``stop_on_nonfinite``
+        raise :class:`NonFiniteError` before the optimizer changes any parameter."""
+        where = "the loss" if not math.isfinite(loss) else next(
+            (n for n, p in self.model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())),
+            None)
+        if where is None:
+            return
+        self.nonfinite_steps.append(len(self.losses) + 1)
+        if self.stop_on_nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"step {len(self.losses) + 1} gave non-finite values in {where} (gradient); "
+                                 "parameters are as before the step: lower the learning rate or check the batch")
+        if len(self.nonfinite_steps) == 1:
+            logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
+                           "report()['nonfinite_steps']", len(self.losses) + 1, self.name, where)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The model's parameters and buffers as numpy arrays (copies)."""
@@ -243,6 +270,7 @@ class BlockwiseTrainer:
             "recompute_plans": 0,
             "recompute_plan_reuses": 0,
             "recompute_plan_time_s_median": None,
+            "nonfinite_steps": len(self.nonfinite_steps),
             "accounted_peak_bytes": peak,
             "device_overhead_bytes": None,
         }

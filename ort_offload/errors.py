@@ -54,3 +54,15 @@ class ExecutionError(OffloadError):
 
 class CheckpointError(OffloadError):
     """A checkpoint that is missing, corrupt, or does not match the trainer's state."""
+
+
+class InvalidArgumentError(OffloadError, ValueError):
+    """A count, seed or learning rate out of its range (e.g. ``--block-nodes -1``, ``--lr nan``)."""
+
+
+class OutputPathError(OffloadError):
+    """An output path that cannot be written, names a directory, or would overwrite an input."""
+
+
+class NonFiniteError(OffloadError):
+    """A step gave a non-finite loss or state (with ``stop_on_nonfinite``); the state is unchanged."""

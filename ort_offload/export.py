@@ -8,7 +8,8 @@ standard ONNX ops. The optimizer update is then appended as ONNX ops
 ``<param>.exp_avg``, ``<name>.updated``, ``loss``) and every value's role is recorded.
 
 Exports are cached on disk, keyed by model structure and code, parameter/buffer shapes, the
-input signature, the loss function and the optimizer; a cache hit skips torch entirely.
+input signature, the loss function and the optimizer; a cache hit skips torch entirely. Each
+entry is verified against the content hash written with it (:mod:`ort_offload.export_cache`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload import optimizers
 from ort_offload.errors import ExportError, InputMismatchError
+from ort_offload.export_cache import read_entry, write_entry
 
 logger = logging.getLogger(__name__)
 # torch's ONNX exporter warns once per process that torchvision (which we do not use) is missing.
@@ -234,6 +236,9 @@ def _export(
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
             raise InputMismatchError(f"example input {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.numel() == 0:
+            raise InputMismatchError(f"example input {i} has no elements (shape {list(t.shape)}): "
+                                     "a step needs at least one sample")
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
     target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
     if len(input_names) != len(example_inputs) or len(target_names) != len(example_targets):
@@ -249,9 +254,10 @@ def _export(
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         path = directory / f"{name}-{kind}-{key}.onnx"
         start = time.perf_counter()
-        if use_cache and path.exists():
+        cached = read_entry(path) if use_cache else None  # verified against its content hash
+        if cached is not None:
             try:
-                graph = TrainingGraph.from_model(onnx.load(path), name=name)
+                graph = TrainingGraph.from_model(cached, name=name)
                 elapsed = time.perf_counter() - start
                 logger.info("export cache hit for %s (%s) in %.3f s", name, kind, elapsed)
                 return ExportResult(graph, key, True, elapsed, path)
@@ -263,10 +269,7 @@ def _export(
             graph = _export_eval(model, example_inputs, input_names, axes, name)
         elapsed = time.perf_counter() - start
         logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
-        saved = None
-        if use_cache:
-            directory.mkdir(parents=True, exist_ok=True)
-            saved = graph.save(path)
+        saved = write_entry(path, graph.save) if use_cache else None
         return ExportResult(graph, key, False, elapsed, saved)
     finally:
         model.train(was_training)

@@ -8,6 +8,7 @@ and class labels for any vocabulary), booleans False.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Mapping, Sequence
 
@@ -19,21 +20,37 @@ from ort_offload import optimizers
 from ort_offload.errors import InputMismatchError
 
 _SHAPE_RE = re.compile(r"^\s*([^=\s]+)\s*=\s*(\d+(?:\s*[x,]\s*\d+)*)?\s*$")
+# The most elements one generated batch tensor may have (random values are drawn in host memory).
+MAX_INPUT_ELEMENTS = 2**30
 
 
 def parse_input_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """Parse ``name=8x128`` (or ``name=8,128``; ``name=`` for a scalar)."""
+    """Parse ``name=8x128`` (or ``name=8,128``; ``name=`` for a scalar); every dimension at
+    least 1 and at most :data:`MAX_INPUT_ELEMENTS` elements in all."""
     shapes = {}
     for spec in specs:
         match = _SHAPE_RE.match(spec)
         if not match:
             raise InputMismatchError(f"cannot parse --input {spec!r}: write NAME=DIMS, e.g. ids=8x128")
         dims = match.group(2)
-        shapes[match.group(1)] = tuple(int(d) for d in re.split(r"\s*[x,]\s*", dims)) if dims else ()
+        shape = tuple(int(d) for d in re.split(r"\s*[x,]\s*", dims)) if dims else ()
+        if any(d < 1 for d in shape):
+            raise InputMismatchError(f"--input {spec!r}: every dimension must be at least 1 (a batch needs a sample)")
+        if math.prod(shape) > MAX_INPUT_ELEMENTS:
+            raise InputMismatchError(f"--input {spec!r}: more than {MAX_INPUT_ELEMENTS} elements; give a smaller shape")
+        shapes[match.group(1)] = shape
     return shapes
 
 
 def _concrete_shape(name: str, dims, given: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    shape = _shape_from(name, dims, given)
+    if math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise InputMismatchError(f"input {name!r} of shape {list(shape)} has more than {MAX_INPUT_ELEMENTS} elements: "
+                                 "too large to fill with generated values")
+    return shape
+
+
+def _shape_from(name: str, dims, given: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
     if dims is None and name not in given:
         raise InputMismatchError(f"input {name!r} declares no shape: pass it, e.g. --input {name}=8x16")
     if name in given:
@@ -88,3 +105,65 @@ def random_batch(graph: TrainingGraph, shapes: Mapping[str, tuple[int, ...]], *,
         else:
             batch[name] = np.zeros(shape, dtype=dtype)
     return batch
+
+
+# Ops that pass integer indices through unchanged (a batch input may reach a Gather through them).
+_INDEX_PASSTHROUGH = {"Cast", "Reshape", "Flatten", "Unsqueeze", "Squeeze", "Identity"}
+
+
+def gather_index_limits(model, table_shapes: Mapping[str, Sequence[int]],
+                        batch_names: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """Batch inputs that index a table: name -> (rows of the table, the table's name).
+
+    A batch input (or a value it passes through unchanged: Cast, Reshape...) used as the
+    indices of a ``Gather`` whose data is a state tensor or an initializer (an embedding) must hold ids in
+    ``0 .. rows - 1``; torch raises on anything else, ONNX Runtime would wrap negative ones.
+    """
+    source = {n: n for n in batch_names}
+    table_shapes = {**{t.name: tuple(t.dims) for t in model.graph.initializer}, **table_shapes}
+    limits: dict[str, tuple[int, str]] = {}
+    for node in model.graph.node:
+        if node.op_type in _INDEX_PASSTHROUGH and node.input and node.input[0] in source:
+            for out in node.output:
+                source[out] = source[node.input[0]]
+        elif node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in source:
+            table = node.input[0]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            shape = table_shapes.get(table)
+            if shape is not None and -len(shape) <= axis < len(shape):
+                rows = int(shape[axis])
+                name = source[node.input[1]]
+                limits[name] = min(limits.get(name, (rows, table)), (rows, table))
+    return limits
+
+
+def check_batch(feeds: Mapping[str, np.ndarray], index_limits: Mapping[str, tuple[int, str]]) -> dict[str, np.ndarray]:
+    """``feeds`` if no tensor is empty and every index input is within its table; else
+    :class:`InputMismatchError` naming the tensor."""
+    for name, array in feeds.items():
+        if array.size == 0:
+            raise InputMismatchError(f"batch tensor {name!r} has no elements (shape {list(array.shape)}): "
+                                     "a step needs at least one sample")
+        if name in index_limits and np.issubdtype(array.dtype, np.integer):
+            rows, table = index_limits[name]
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high >= rows:
+                bad = low if low < 0 else high
+                raise InputMismatchError(f"{name!r} holds {bad}, outside 0..{rows - 1}: {table} has {rows} rows "
+                                         "(token ids must be below the vocabulary size and not negative)")
+    return dict(feeds)
+
+
+def first_nonfinite(view, names) -> str | None:
+    """The first of ``names`` whose tensor (``view(name)``) holds NaN or inf, else None.
+
+    A sum is non-finite whenever an element is; only when the sum overflows is each element
+    looked at."""
+    for name in names:
+        array = view(name)
+        if np.issubdtype(array.dtype, np.inexact) and array.size:
+            with np.errstate(over="ignore", invalid="ignore"):
+                total = array.sum()
+            if not np.isfinite(total) and not np.isfinite(array).all():
+                return name
+    return None

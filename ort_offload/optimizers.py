@@ -15,6 +15,9 @@ from typing import Union
 import numpy as np
 import onnx_ir as ir
 
+from ort_offload.errors import InvalidArgumentError
+from ort_offload.validation import check_learning_rate
+
 LR_INPUT = "optimizer.lr"
 STEP_INPUT = "optimizer.step"
 UPDATED_SUFFIX = ".updated"
@@ -30,6 +33,11 @@ class AdamW:
     weight_decay: float = 0.01
 
     state_names = ("exp_avg", "exp_avg_sq")
+
+    def __post_init__(self) -> None:
+        _check_hyperparameters(self.lr, weight_decay=self.weight_decay, eps=self.eps)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise InvalidArgumentError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
 
     def torch_optimizer(self, params):
         import torch
@@ -47,6 +55,9 @@ class SGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
 
+    def __post_init__(self) -> None:
+        _check_hyperparameters(self.lr, weight_decay=self.weight_decay, momentum=self.momentum)
+
     @property
     def state_names(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.momentum else ()
@@ -62,6 +73,13 @@ class SGD:
 OptimizerConfig = Union[AdamW, SGD]
 
 
+def _check_hyperparameters(lr, **others) -> None:
+    """A finite, non-negative learning rate and finite, non-negative other hyper-parameters."""
+    check_learning_rate(lr, name="lr")
+    for name, value in others.items():
+        check_learning_rate(value, name=name)
+
+
 def make_optimizer(name: str | OptimizerConfig, *, lr: float | None = None, **kwargs) -> OptimizerConfig:
     """An optimizer config from a name ('adamw', 'sgd') or a config instance."""
     if isinstance(name, (AdamW, SGD)):
@@ -70,7 +88,7 @@ def make_optimizer(name: str | OptimizerConfig, *, lr: float | None = None, **kw
     try:
         cls = classes[name.lower()]
     except (KeyError, AttributeError):
-        raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(classes)}") from None
+        raise InvalidArgumentError(f"unknown optimizer {name!r}: use one of {', '.join(classes)}") from None
     if lr is not None:
         kwargs["lr"] = lr
     return cls(**kwargs)

@@ -27,6 +27,7 @@ import onnx
 
 from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload.errors import ModelLoadError, UnsupportedGraphError
+from ort_offload.ort_logging import ort_log_severity
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def check_runnable(graph: TrainingGraph) -> None:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = ort_log_severity()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         ort.InferenceSession(graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"])

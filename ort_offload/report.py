@@ -4,11 +4,15 @@ its rendering as a table, and the device-memory timeline plot."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from ort_offload.budget import format_bytes
+from ort_offload.files import atomic_write_bytes, atomic_write_with
 
 REPORT_KEYS = (
     "model",
@@ -34,6 +38,7 @@ REPORT_KEYS = (
     "recompute_plans",  # extension: recompute plans made (input sizes no cached plan fitted)
     "recompute_plan_reuses",  # extension: new input sizes served by the plan of a similar size
     "recompute_plan_time_s_median",  # extension: choosing segments, per plan made (estimator + bucket rule)
+    "nonfinite_steps",  # extension: steps whose loss or updated state held NaN or inf
     "accounted_peak_bytes",  # extension: arena extent + running block's workspace, as plans count them
     "device_overhead_bytes",  # extension: device memory taken before the first tensor (CUDA context, handles); None on the CPU
 )
@@ -41,18 +46,39 @@ REPORT_KEYS = (
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write a text file so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    return atomic_write_bytes(path, text.encode())
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) as ``None``: strict JSON has no NaN."""
+    if isinstance(value, float) or (isinstance(value, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return json_safe(value.tolist())
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def to_json(report: Mapping[str, Any]) -> str:
+    """The report as strict JSON text (non-finite numbers as ``null``)."""
+    return json.dumps(json_safe(dict(report)), indent=2, allow_nan=False, default=_number_or_text) + "\n"
+
+
+def _number_or_text(value: Any) -> Any:
+    """JSON for an object json does not know: its number (e.g. a 0-d tensor) if it has one, else its text."""
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        return json_safe(float(value))
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def write_json(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    return atomic_write_text(path, json.dumps(dict(report), indent=2, default=float) + "\n")
+    return atomic_write_text(path, to_json(report))
 
 
 def render_table(report: Mapping[str, Any], extra: Mapping[str, Any] | None = None):
@@ -133,13 +159,8 @@ def save_figure(fig, path) -> Path:
     """Write ``fig`` as a PNG atomically (a temporary file renamed into place) and close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     try:
         fig.tight_layout()
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        return atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=100), suffix=".png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path

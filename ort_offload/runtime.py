@@ -47,6 +47,7 @@ from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.gc_pause import collection_paused
 from ort_offload.host_slots import signature_values
 from ort_offload.host_store import HostStore
+from ort_offload.ort_logging import ort_error_summary
 from ort_offload.recompute_planning import RecomputePlanning
 
 logger = logging.getLogger(__name__)
@@ -867,7 +868,7 @@ class _StepExecution:
         try:
             session.run(pointers, self.infos, self.runtime.backend, self._host_values(session))
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = ort_error_summary(e)
             raise ExecutionError(
                 f"block {step.block} of {self.runner.graph.name} failed in ONNX Runtime ({first}); "
                 "check the batch values (e.g. token ids below the vocabulary size)"

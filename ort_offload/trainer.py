@@ -9,11 +9,10 @@ the runtime. State never leaves the runtime except through ``state_dict()``, ``s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import os
 import statistics
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,13 +20,17 @@ import numpy as np
 import torch
 
 from graph_passes.shapes import check_inputs
-from graph_passes.training_graph import TrainingGraph
+from graph_passes.training_graph import Role, TrainingGraph
 from ort_offload import optimizers
+from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
+from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
-from ort_offload.errors import CheckpointError, InputMismatchError, OffloadError, UnknownDeviceError
+from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError
 from ort_offload.export import export_forward, export_training_step, initial_state
+from ort_offload.graph_inputs import check_batch, first_nonfinite, gather_index_limits
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime import GraphRunner, Runtime
+from ort_offload.validation import check_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,6 @@ AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap", "split")
 # What "auto" uses: swap; split (TSPLIT) only where swap alone cannot plan the budget.
 AUTO_PASSES: tuple[str, ...] = ("swap", "split")
 PASS_CHOICES = ("auto", "none")
-CHECKPOINT_FORMAT = "ort_offload.checkpoint.v1"
 
 
 def resolve_passes(passes: str | Sequence[str]) -> list[str]:
@@ -77,11 +79,15 @@ class OrtTrainer:
         optimizer_config: optimizers.OptimizerConfig | None = None,
         dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
         cache_dir: str | os.PathLike | None = None,
+        stop_on_nonfinite: bool = False,
     ) -> None:
         """Place ``initial_state`` on the device and check the budget for ``example_batch``.
 
         Use :func:`create_ort_trainer` for a torch model; this constructor also serves graphs
         that come as ONNX files (no ``model``: ``eval()`` and ``copy_to()`` are unavailable).
+        ``stop_on_nonfinite``: a step whose loss or updated state is NaN or infinite raises
+        :class:`NonFiniteError` and leaves the state as it was (each step then keeps a host copy
+        of the state it updates); otherwise such steps are counted in ``report()``.
         """
         self.device = device
         self.graph = graph
@@ -95,6 +101,10 @@ class OrtTrainer:
         self._example_inputs = tuple(example_batch[n] for n in self.input_names)
         self._cache_dir = cache_dir
         self.losses: list[float] = []
+        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or state
+        # Updated state the model itself uses (not optimizer moments): what every step checks.
+        self._model_state = [n for n in graph.state_pairs if graph.roles.get(n) in (Role.PARAM, Role.BUFFER)]
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
         self.runner = GraphRunner(
@@ -102,12 +112,16 @@ class OrtTrainer:
         )
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
+        check_batch(example_batch, {})
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
         self.runtime.place_state(
             initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared),
             host=prepared.program.host_state,
         )
+        # Batch inputs that index a table (token ids into an embedding): their valid range.
+        self._index_limits = gather_index_limits(graph.model, {n: self.runtime.info(n).shape for n in graph.state_inputs},
+                                                 self.batch_names)
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -121,7 +135,7 @@ class OrtTrainer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.runtime.write(optimizers.LR_INPUT, np.array(value, dtype=np.float32))
+        self.runtime.write(optimizers.LR_INPUT, np.array(check_learning_rate(value, name="lr"), dtype=np.float32))
 
     @property
     def steps_done(self) -> int:
@@ -132,7 +146,7 @@ class OrtTrainer:
     def _feeds(self, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
         if len(batch) != len(names):
             raise InputMismatchError(f"step takes {len(names)} tensors ({', '.join(names)}), got {len(batch)}")
-        return {n: _to_numpy(t) for n, t in zip(names, batch)}
+        return check_batch({n: _to_numpy(t) for n, t in zip(names, batch)}, self._index_limits)
 
     def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
         """Check the batch against the graph (state as resident) and get the step's program."""
@@ -146,16 +160,40 @@ class OrtTrainer:
         """One training step on ``batch`` (model inputs, then targets); returns the loss."""
         feeds = self._feeds(batch, self.batch_names)
         prepared = self._prepare(self.runner, feeds)
+        before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
         outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
+        loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
+        self._check_finite(loss, before)
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
-        if self.graph.loss_name is None:
+        if loss is None:
             return float("nan")
-        loss = float(outputs[self.graph.loss_name])
         self.losses.append(loss)
         return loss
+
+    def _check_finite(self, loss: float | None, before: Mapping[str, np.ndarray] | None) -> None:
+        """Count a step whose loss or updated state is not finite; with ``before`` (the state
+        it updated, as it was) restore that state and raise :class:`NonFiniteError`.
+
+        Without ``before`` only parameters and buffers are looked at: a non-finite optimizer
+        moment makes its parameter non-finite in the same update, at a third of the reads."""
+        names = before if before is not None else self._model_state
+        where = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(
+            self.runtime.view, names)
+        if where is None:
+            return
+        step = self._step_count + 1
+        self.nonfinite_steps.append(step)
+        if before is not None:
+            for name, array in before.items():
+                self.runtime.write(name, array)
+            raise NonFiniteError(f"step {step} gave non-finite values in {where}; the state is as before the step: "
+                                 "lower the learning rate or check the batch for NaN/inf")
+        if len(self.nonfinite_steps) == 1:
+            logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
+                           "report()['nonfinite_steps']", step, self.name, where)
 
     def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
         """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
@@ -181,62 +219,46 @@ class OrtTrainer:
         return {n: self.runtime.read(n) for n in self.graph.state_inputs}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the trainer's state; checks every name, dtype and shape before writing any."""
-        arrays = {n: _to_numpy(v) for n, v in state.items()}
-        expected = set(self.graph.state_inputs)
-        missing = sorted(expected - set(arrays))
-        unexpected = sorted(set(arrays) - expected)
-        if missing or unexpected:
-            raise CheckpointError(
-                "state does not match this trainer: "
-                + (f"missing {', '.join(missing[:3])}" if missing else "")
-                + ("; " if missing and unexpected else "")
-                + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
-            )
-        for name in self.graph.state_inputs:
-            info = self.runtime.info(name)
-            array = arrays[name]
-            if array.dtype != info.dtype or tuple(array.shape) != info.shape:
-                raise CheckpointError(
-                    f"{name}: checkpoint has {array.dtype}{list(array.shape)}, trainer has {info}"
-                )
+        """Replace the trainer's state; checks every name, dtype, shape and value before writing any."""
+        arrays = self._checked_state(state)
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
         if optimizers.STEP_INPUT in arrays:  # it holds the number of the next step
-            self._step_count = int(round(float(arrays[optimizers.STEP_INPUT]))) - 1
+            self._step_count = _step_number(arrays[optimizers.STEP_INPUT]) - 1
+
+    def _checked_state(self, state: Any) -> dict[str, np.ndarray]:
+        """``state`` as arrays that fit this trainer (:func:`check_state`), its step number whole and positive."""
+        infos = {n: self.runtime.info(n) for n in self.graph.state_inputs}
+        arrays = check_state(state, {n: (i.dtype, i.shape) for n, i in infos.items()})
+        step = arrays.get(optimizers.STEP_INPUT)
+        if step is not None and (step.size != 1 or float(step.reshape(-1)[0]) < 1 or float(step.reshape(-1)[0]) % 1):
+            raise CheckpointError(f"{optimizers.STEP_INPUT} must be a whole number at least 1, got {step.tolist()}")
+        lr = arrays.get(optimizers.LR_INPUT)
+        if lr is not None and (lr < 0).any():
+            raise CheckpointError(f"{optimizers.LR_INPUT} must be at least 0, got {lr.tolist()}")
+        return arrays
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint atomically (a temporary file renamed into place)."""
-        path = Path(path)
-        state = self.state_dict()
-        meta = {"format": CHECKPOINT_FORMAT, "model": self.name, "steps": self._step_count, "losses": self.losses}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, __meta__=np.array(json.dumps(meta)), **{f"state/{k}": v for k, v in state.items()})
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        """Write a checkpoint atomically (a temporary file renamed into place).
+
+        Raises :class:`CheckpointError`, with nothing written, when the state is not finite or
+        the file cannot be written; a temporary file a killed save left is swept first."""
+        return write_checkpoint(path, Checkpoint(model=self.name, steps=self._step_count, losses=list(self.losses),
+                                                 state=self.state_dict()))
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad."""
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["__meta__"]))
-                state = {k[len("state/") :]: data[k] for k in data.files if k.startswith("state/")}
-        except FileNotFoundError as e:
-            raise CheckpointError(f"no checkpoint at {path}") from e
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is not an ort_offload checkpoint ({type(e).__name__})") from e
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self.load_state_dict(state)
-        self._step_count = int(meta.get("steps", self._step_count))
-        self.losses = list(meta.get("losses", []))
+        """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad.
+
+        The file, its metadata and every tensor are checked before anything is written."""
+        checkpoint = read_checkpoint(path)
+        arrays = self._checked_state(checkpoint.state)
+        step = arrays.get(optimizers.STEP_INPUT)
+        if step is not None and _step_number(step) - 1 != checkpoint.steps:
+            raise CheckpointError(f"checkpoint {str(path)!r} says {checkpoint.steps} steps but its "
+                                  f"{optimizers.STEP_INPUT} is {_step_number(step)}: the file was edited or mixed up")
+        self.load_state_dict(arrays)
+        self._step_count = checkpoint.steps
+        self.losses = list(checkpoint.losses)
 
     def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
@@ -286,11 +308,17 @@ class OrtTrainer:
             "recompute_plans": recompute["recompute_plans"],
             "recompute_plan_reuses": recompute["recompute_plan_reuses"],
             "recompute_plan_time_s_median": recompute["plan_time_s_median"],
+            "nonfinite_steps": len(self.nonfinite_steps),
             "accounted_peak_bytes": accounted,
             "device_overhead_bytes": overhead,
         }
         assert tuple(report) == REPORT_KEYS
         return report
+
+
+def _step_number(array: np.ndarray) -> int:
+    """The whole number a one-element ``optimizer.step`` tensor holds."""
+    return int(round(float(array.reshape(-1)[0])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +351,7 @@ def create_ort_trainer(
     passes: str | Sequence[str] = "auto",
     name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    stop_on_nonfinite: bool = False,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -332,6 +361,8 @@ def create_ort_trainer(
     loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
     ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
+    ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
+    :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
 
     A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
     :class:`~ort_offload.dynamic_trainer.BlockwiseTrainer` instead: its Python control flow runs
@@ -355,6 +386,7 @@ def create_ort_trainer(
             model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
             optimizer=optimizer, lr=lr if lr is not None else 1e-3,
             num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
+            stop_on_nonfinite=stop_on_nonfinite,
         )
     if example_inputs is None:
         raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
@@ -384,4 +416,5 @@ def create_ort_trainer(
         optimizer_config=config,
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
+        stop_on_nonfinite=stop_on_nonfinite,
     )

@@ -33,7 +33,8 @@ import onnx
 
 from ort_offload.budget import format_bytes
 from ort_offload.errors import BudgetTooSmallError, OffloadError
-from ort_offload.report import atomic_write_text
+from ort_offload.ort_logging import ort_log_severity
+from ort_offload.report import atomic_write_text, json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ def _stock_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> d
     # graph differ by 2e-3).
     options.intra_op_num_threads = 1
     options.use_deterministic_compute = True
+    options.log_severity_level = ort_log_severity()
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
@@ -402,9 +404,14 @@ def load_baseline(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
         return {}
     try:
         rows = json.loads(path.read_text())["models"]
-        return {row["model"]: row for row in rows}
-    except (ValueError, KeyError, TypeError) as e:
-        raise OffloadError(f"baseline {path} is not a zoo result file ({e}); delete it or pass another --baseline") from e
+        baseline = {row["model"]: row for row in rows}
+        if not all(isinstance(row.get("budgets", []), list) and all(isinstance(b, dict) for b in row.get("budgets", []))
+                   for row in baseline.values()):
+            raise ValueError("a model's budgets are not a list of results")
+        return baseline
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise OffloadError(f"baseline {path} is not a zoo result file ({type(e).__name__}); "
+                           "delete it or pass another --baseline") from e
 
 
 def regressions(results: Sequence[ModelResult], baseline: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -460,4 +467,4 @@ def write_results(path: str | os.PathLike, results: Sequence[ModelResult], *, bu
     """Write the run as JSON atomically (temporary file, then rename)."""
     payload = {"budgets": list(budgets), "steps": steps, "passes": list(passes),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "models": result_rows(results)}
-    return atomic_write_text(path, json.dumps(payload, indent=2))
+    return atomic_write_text(path, json.dumps(json_safe(payload), indent=2, allow_nan=False))

@@ -167,13 +167,19 @@ def test_learning_rate_can_change_between_steps():
     assert all(np.array_equal(before[k], after[k]) for k in before if not k.startswith("optimizer."))
 
 
-def test_a_failing_step_is_a_clear_error_and_keeps_the_state():
+def test_a_failing_step_is_a_clear_error_and_keeps_the_state(monkeypatch):
+    from ort_offload.block_session import BlockSession
+
     data = batches("gpt", 2)
     run = train_ort("gpt", data=data[:1], optimizer="adamw")
     before = run.trainer.state_dict()
     (ids,), (targets,) = data[1]
-    with pytest.raises(ExecutionError, match="vocabulary"):
-        run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table
+    with pytest.raises(InputMismatchError, match="vocabulary"):
+        run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table: refused before running
+    with monkeypatch.context() as patch:  # ONNX Runtime itself failing in the first block
+        patch.setattr(BlockSession, "run", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+        with pytest.raises(ExecutionError, match="kernel failed"):
+            run.trainer.step(ids, targets)
     after = run.trainer.state_dict()
     assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
     loss = run.trainer.step(ids, targets)  # the trainer still works
