@@ -252,6 +252,10 @@ class DeviceArena:
         self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
         self.write(name, array)
 
+    def finite(self, names) -> list[bool]:
+        """Whether each tensor of ``names`` holds only finite values (read where it lives)."""
+        return self.memory.finite(self.buffer, [(self.offset(n), self._infos[n]) for n in names])
+
     @property
     def in_use(self) -> int:
         return self.allocator.in_use

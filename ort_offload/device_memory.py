@@ -39,6 +39,21 @@ class DeviceMemory(Protocol):
     def download(self, buffer, offset: int, target: np.ndarray) -> None: ...
     def host_empty(self, info: TensorInfo) -> np.ndarray: ...
     def release_cached(self) -> None: ...
+    def finite(self, buffer, placed) -> list[bool]: ...
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """A sum is non-finite whenever an element is; only when it overflows is each element read."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(array.sum()) or np.isfinite(array).all())
+
+
+def torch_dtype(dtype: np.dtype):
+    """The torch dtype of a numpy one (floating types only are checked for finiteness)."""
+    import torch
+
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
+            np.dtype(np.float16): torch.float16}[np.dtype(dtype)]
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
@@ -92,6 +107,10 @@ class NumpyMemory:
 
     def release_cached(self) -> None:
         pass
+
+    def finite(self, buffer: np.ndarray, placed) -> list[bool]:
+        """Whether each tensor of ``placed`` ((offset, TensorInfo) pairs) holds only finite values."""
+        return [all_finite(self.view(buffer, offset, info)) for offset, info in placed]
 
 
 class TorchMemory:
@@ -164,6 +183,19 @@ class TorchMemory:
         temporary) back to the device, so the device counter sees only the arena."""
         if self.device.type == "cuda":
             self._torch.cuda.empty_cache()
+
+    def finite(self, buffer, placed) -> list[bool]:
+        """Whether each tensor of ``placed`` ((offset, TensorInfo) pairs) holds only finite
+        values: checked where the bytes are, one copy of the answers to the host."""
+        torch = self._torch
+        if not placed:
+            return []
+        flags = [torch.isfinite(self._tensor(buffer, offset, info)).all() for offset, info in placed]
+        return torch.stack(flags).cpu().tolist()
+
+    def _tensor(self, buffer, offset: int, info: TensorInfo):
+        dtype = torch_dtype(info.dtype)
+        return buffer[offset : offset + info.nbytes].view(dtype).reshape(info.shape)
 
     def host_empty(self, info: TensorInfo) -> np.ndarray:
         """An uninitialised host array, page-locked on CUDA (the array keeps its tensor alive)."""

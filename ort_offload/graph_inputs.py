@@ -152,18 +152,3 @@ def check_batch(feeds: Mapping[str, np.ndarray], index_limits: Mapping[str, tupl
                 raise InputMismatchError(f"{name!r} holds {bad}, outside 0..{rows - 1}: {table} has {rows} rows "
                                          "(token ids must be below the vocabulary size and not negative)")
     return dict(feeds)
-
-
-def first_nonfinite(view, names) -> str | None:
-    """The first of ``names`` whose tensor (``view(name)``) holds NaN or inf, else None.
-
-    A sum is non-finite whenever an element is; only when the sum overflows is each element
-    looked at."""
-    for name in names:
-        array = view(name)
-        if np.issubdtype(array.dtype, np.inexact) and array.size:
-            with np.errstate(over="ignore", invalid="ignore"):
-                total = array.sum()
-            if not np.isfinite(total) and not np.isfinite(array).all():
-                return name
-    return None

@@ -43,6 +43,7 @@ from ort_offload.block_session import BlockSession, block_content_key, block_mod
 from ort_offload.budget import format_bytes
 from ort_offload.device import OffloadDevice
 from ort_offload.device_backend import DeviceBackend, make_backend
+from ort_offload.device_memory import all_finite
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
 from ort_offload.gc_pause import collection_paused
 from ort_offload.host_slots import signature_values
@@ -160,6 +161,19 @@ class Runtime:
             return self.host.get(name).copy()
         with self.backend.on_compute_stream():
             return self.arena.read(name)
+
+    def first_nonfinite(self, names) -> str | None:
+        """The first of ``names`` holding NaN or inf, else None; floating tensors in the arena
+        are checked where they are (on a GPU, without copying them out)."""
+        floating = [n for n in names if np.issubdtype(self.info(n).dtype, np.floating) and self.info(n).nbytes]
+        resident = [n for n in floating if n in self.arena]
+        with self.backend.on_compute_stream():
+            finite = dict(zip(resident, self.arena.finite(resident)))
+        for name in floating:
+            ok = finite[name] if name in finite else all_finite(self.host.get(name))
+            if not ok:
+                return name
+        return None
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Overwrite a state tensor in place (same dtype and shape)."""

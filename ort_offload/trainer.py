@@ -27,7 +27,7 @@ from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, wri
 from ort_offload.device import OffloadDevice
 from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError
 from ort_offload.export import export_forward, export_training_step, initial_state
-from ort_offload.graph_inputs import check_batch, first_nonfinite, gather_index_limits
+from ort_offload.graph_inputs import check_batch, gather_index_limits
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime import GraphRunner, Runtime
 from ort_offload.validation import check_learning_rate
@@ -180,8 +180,7 @@ class OrtTrainer:
         Without ``before`` only parameters and buffers are looked at: a non-finite optimizer
         moment makes its parameter non-finite in the same update, at a third of the reads."""
         names = before if before is not None else self._model_state
-        where = "the loss" if loss is not None and not math.isfinite(loss) else first_nonfinite(
-            self.runtime.view, names)
+        where = "the loss" if loss is not None and not math.isfinite(loss) else self.runtime.first_nonfinite(names)
         if where is None:
             return
         step = self._step_count + 1

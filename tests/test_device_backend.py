@@ -272,3 +272,12 @@ def test_an_input_read_whole_and_by_shape_is_fed_once():
     values = slots.compute({"dims": np.array([3, 4], dtype=np.int64)}, {})
     np.testing.assert_array_equal(values["dims"], [3, 4])
     np.testing.assert_array_equal(values["s"], [2])
+
+
+@pytest.mark.parametrize("memory", [NumpyMemory(), TorchMemory("cpu")], ids=["numpy", "torch"])
+def test_finiteness_is_read_where_the_tensors_live(memory):
+    arena = DeviceArena(1 << 16, memory=memory)
+    arena.store("good", np.ones(7, dtype=np.float32))
+    arena.store("bad", np.array([1.0, np.inf], dtype=np.float32))
+    arena.store("huge", np.full(4, 3e38, dtype=np.float32))  # the sum overflows; every element is finite
+    assert arena.finite(["good", "bad", "huge"]) == [True, False, True]
