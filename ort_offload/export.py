@@ -7,8 +7,10 @@ standard ONNX ops. The optimizer update is then appended as ONNX ops
 (:mod:`ort_offload.optimizers`), values are renamed after what they are (parameter FQNs,
 ``<param>.exp_avg``, ``<name>.updated``, ``loss``) and every value's role is recorded.
 
-Exports are cached on disk, keyed by model structure and code, parameter/buffer shapes, the
-input signature, the loss function and the optimizer; a cache hit skips torch entirely.
+Exports are cached on disk, keyed by the fingerprint of the program ``torch.export`` captures
+(graph code with every literal and shape, signature, constants), the trainable parameters, the
+optimizer and the exporter's versions and code: a cache hit runs ``torch.export`` (the cheap
+part) and skips the joint graph and the ONNX export.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def _source_of(obj: Any) -> str:
 
 
 def _structure_fingerprint(model: torch.nn.Module, loss_fn: Callable | None) -> dict:
+    """Structure and code of a module without tracing it (block-wise steps key on this)."""
     classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__module__ + c.__qualname__)
     return {
         "repr": repr(model),
@@ -123,29 +126,67 @@ def _structure_fingerprint(model: torch.nn.Module, loss_fn: Callable | None) -> 
     }
 
 
-def _signature(batch: Sequence[torch.Tensor], dynamic_axes: Sequence[Mapping[int, str]]) -> list:
-    sig = []
-    for tensor, axes in zip(batch, dynamic_axes):
-        dims = ["?" if i in axes else int(d) for i, d in enumerate(tensor.shape)]
-        sig.append((str(tensor.dtype), dims))
-    return sig
+def _tensor_digest(value: Any) -> str:
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    flat = value.detach().cpu().contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return f"{value.dtype}{list(value.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def program_fingerprint(program: torch.export.ExportedProgram) -> str:
+    """Digest of what a captured program computes: the code of its graph and subgraphs (every op,
+    literal, shape and dtype), its signature, shape constraints and lifted constants' values.
+
+    torch.export bakes plain attributes, config flags and the code of every function the
+    forward runs into this graph, so two modules with the same fingerprint export the same step.
+    """
+    code = program.graph_module.print_readable(
+        print_output=False, include_stride=True, include_device=True, colored=False
+    )
+    payload = {
+        "code": code,
+        "signature": str(program.graph_signature),
+        "ranges": sorted(f"{k}: {v}" for k, v in program.range_constraints.items()),
+        "constants": {name: _tensor_digest(v) for name, v in sorted(program.constants.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _exporter_sources() -> str:
+    """Digest of our own exporter code: editing it invalidates every cached export."""
+    from ort_offload import aten_translations
+
+    digest = hashlib.sha256()
+    for module in (aten_translations, optimizers, inspect.getmodule(_exporter_sources)):
+        digest.update(_source_of(module).encode())
+    return digest.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    import onnx_ir
+    import onnxscript
+
+    return {
+        "exporter": EXPORTER_VERSION, "exporter_code": _exporter_sources(), "torch": torch.__version__,
+        "onnx": onnx.__version__, "onnxscript": onnxscript.__version__, "onnx_ir": onnx_ir.__version__,
+    }
 
 
 def cache_key(
+    program: torch.export.ExportedProgram,
     model: torch.nn.Module,
-    loss_fn: Callable | None,
-    batch: Sequence[torch.Tensor],
-    dynamic_axes: Sequence[Mapping[int, str]],
     optimizer: optimizers.OptimizerConfig | None,
     kind: str,
 ) -> str:
+    """Key of an export: the captured program's fingerprint, which parameters train, the
+    optimizer (its learning rate is a graph input) and the versions of everything that turns the
+    program into ONNX."""
     payload = {
         "kind": kind,
-        "exporter": EXPORTER_VERSION,
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "structure": _structure_fingerprint(model, loss_fn),
-        "signature": _signature(batch, dynamic_axes),
+        "versions": _versions(),
+        "program": program_fingerprint(program),
+        "trainable": [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad],
         "optimizer": None
         if optimizer is None
         else {"type": type(optimizer).__name__, **{k: v for k, v in dataclasses.asdict(optimizer).items() if k != "lr"}},
@@ -245,10 +286,11 @@ def _export(
     was_training = model.training
     model.train(kind == "train")
     try:
-        key = cache_key(model, loss_fn, batch, axes, optimizer, kind)
+        start = time.perf_counter()
+        program = _capture(model, kind, loss_fn, example_inputs, batch, axes)
+        key = cache_key(program, model, optimizer, kind)
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         path = directory / f"{name}-{kind}-{key}.onnx"
-        start = time.perf_counter()
         if use_cache and path.exists():
             try:
                 graph = TrainingGraph.from_model(onnx.load(path), name=name)
@@ -258,9 +300,10 @@ def _export(
             except Exception as e:  # a corrupt cache entry is re-exported, not fatal
                 logger.warning("ignoring unreadable export cache entry %s: %s", path, e)
         if kind == "train":
-            graph = _export_train(model, loss_fn, example_inputs, example_targets, batch_names, axes, optimizer, name)
+            wrapper = _LossModule(model, loss_fn, len(example_inputs))
+            graph = _export_train(program, wrapper, batch, batch_names, axes, optimizer, name)
         else:
-            graph = _export_eval(model, example_inputs, input_names, axes, name)
+            graph = _export_eval(program, model, example_inputs, input_names, axes, name)
         elapsed = time.perf_counter() - start
         logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
         saved = None
@@ -303,12 +346,19 @@ def _onnx_export(graph_module, args: tuple, dynamic_shapes) -> ir.Model:
     return program.model
 
 
-def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, axes, optimizer, name):
+def _capture(model, kind, loss_fn, example_inputs, batch, axes) -> torch.export.ExportedProgram:
+    """torch.export of the training loss (``kind`` "train") or of the model's forward."""
+    if kind == "train":
+        wrapper = _LossModule(model, loss_fn, len(example_inputs))
+        return _torch_export(wrapper, batch, (_dynamic_shapes(batch, axes),))  # forward(*batch): one varargs entry
+    return _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
+
+
+def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
+    """The joint forward/backward of the captured loss ``ep`` of ``wrapper``, in ONNX, with the
+    optimizer appended."""
     from torch.export.experimental import _export_forward_backward
 
-    batch = example_inputs + example_targets
-    wrapper = _LossModule(model, loss_fn, len(example_inputs))
-    ep = _torch_export(wrapper, batch, (_dynamic_shapes(batch, axes),))  # forward(*batch): one varargs entry
     try:
         with _export_context():
             joint = _export_forward_backward(ep)
@@ -348,8 +398,7 @@ def _export_train(model, loss_fn, example_inputs, example_targets, batch_names, 
     return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)))
 
 
-def _export_eval(model, example_inputs, input_names, axes, name):
-    ep = _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
+def _export_eval(ep, model, example_inputs, input_names, axes, name):
     args, arg_names, arg_roles, dyn = _graph_arguments(
         ep.graph_signature.input_specs, model, example_inputs, input_names, axes, what=f"the forward graph of {name}"
     )
