@@ -32,7 +32,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from graph_passes.training_graph import Role, TrainingGraph
+from graph_passes.training_graph import TIED_PARAMS_KEY, UNUSED_PARAMS_KEY, Role, TrainingGraph
 from ort_offload import optimizers
 from ort_offload.errors import ExportError, InputMismatchError
 
@@ -354,11 +354,98 @@ def _capture(model, kind, loss_fn, example_inputs, batch, axes) -> torch.export.
     return _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
 
 
+@dataclasses.dataclass(frozen=True)
+class ParameterUse:
+    """How a captured program reads the module's parameters.
+
+    ``names`` is the graph input name of each parameter target: a tied parameter (one tensor
+    under several names) is one input, named by its first name, whichever alias torch.export
+    routed its uses through. ``dropped`` are the other aliases (inputs removed after export),
+    ``tied`` maps each alias to the name it shares, and ``unused`` are trainable parameters the
+    outputs do not depend on: kept as state, never updated (DDP's ``find_unused_parameters``).
+    """
+
+    names: dict[str, str]
+    dropped: frozenset[str]
+    tied: dict[str, str]
+    unused: tuple[str, ...]
+    unreached: frozenset[str]  # parameter targets whose placeholder no output depends on
+
+
+def _reaching_outputs(graph: torch.fx.Graph) -> set[str]:
+    """Names of the nodes that some output of ``graph`` depends on."""
+    seen: set[str] = set()
+    stack = [graph.output_node()]
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node.name not in seen:
+                seen.add(node.name)
+                stack.append(node)
+    return seen
+
+
+def _parameter_use(program: torch.export.ExportedProgram, module: torch.nn.Module) -> ParameterUse:
+    from torch.export.graph_signature import InputKind
+
+    specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
+    placeholder = {s.target: s.arg.name for s in specs}
+    reached = _reaching_outputs(program.graph)
+    groups: dict[int, list[str]] = {}
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    for target, tensor in tensors.items():
+        groups.setdefault(id(tensor), []).append(target)
+    names, dropped, tied, unused = {}, set(), {}, []
+    for spec in specs:
+        group = [t for t in groups.get(id(tensors.get(spec.target)), [spec.target]) if t in placeholder]
+        used = [t for t in group if placeholder[t] in reached]
+        if len(used) > 1:
+            raise ExportError(
+                f"tied parameter {_strip(group[0])} is read under several names ({', '.join(map(_strip, used))}); "
+                "tie it by assigning one Parameter object, not copies that share storage"
+            )
+        keeper = used[0] if used else group[0]
+        first = _strip(group[0])
+        names[spec.target] = first if spec.target == keeper else f"{_strip(spec.target)}.tied_alias"
+        if spec.target != keeper:
+            dropped.add(spec.target)
+        if spec.target != group[0]:
+            tied[_strip(spec.target)] = first
+        if not used and spec.target == keeper and tensors[spec.target].requires_grad:
+            unused.append(first)
+    unreached = frozenset(t for t in placeholder if placeholder[t] not in reached)
+    return ParameterUse(names, frozenset(dropped), tied, tuple(unused), unreached)
+
+
+def _stop_gradients(program: torch.export.ExportedProgram, targets) -> None:
+    """Mark parameter inputs as not requiring a gradient for the joint graph (torch refuses a
+    trainable parameter that receives none)."""
+    placeholder = {s.target: s.arg.name for s in program.graph_signature.input_specs}
+    names = {placeholder[t] for t in targets}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            value = node.meta["val"]
+            with value.fake_mode:
+                node.meta["val"] = value.detach()
+
+
+def _drop_inputs(graph: ir.Graph, names) -> None:
+    """Remove graph inputs that no node reads (the unused aliases of tied parameters)."""
+    for value in [v for v in graph.inputs if v.name in names]:
+        if value.uses():
+            raise ExportError(f"input {value.name!r} is still read after export; report this model")
+        graph.inputs.remove(value)
+
+
 def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
     """The joint forward/backward of the captured loss ``ep`` of ``wrapper``, in ONNX, with the
     optimizer appended."""
     from torch.export.experimental import _export_forward_backward
 
+    use = _parameter_use(ep, wrapper)
+    _stop_gradients(ep, use.unreached)
+    if use.unused:
+        logger.warning("%s: parameters the loss does not depend on are kept and never updated: %s",
+                       name, ", ".join(use.unused))
     try:
         with _export_context():
             joint = _export_forward_backward(ep)
@@ -368,7 +455,8 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
     from torch.export.graph_signature import OutputKind
 
     args, arg_names, arg_roles, dyn = _graph_arguments(
-        joint.graph_signature.input_specs, wrapper, batch, batch_names, axes, what=f"the joint graph of {name}"
+        joint.graph_signature.input_specs, wrapper, batch, batch_names, axes, use.names,
+        what=f"the joint graph of {name}",
     )
 
     out_names, out_roles, grad_of = [], [], {}
@@ -380,52 +468,58 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
             out_names.append(optimizers.updated_name(_strip(spec.target)))
             out_roles.append(Role.BUFFER)
         elif spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
-            out_names.append(f"{_strip(spec.target)}.grad")
+            out_names.append(f"{use.names[spec.target]}.grad")
             out_roles.append(Role.GRAD)
-            grad_of[out_names[-1]] = _strip(spec.target)
+            grad_of[out_names[-1]] = use.names[spec.target]
         else:
             raise ExportError(f"unsupported output kind {spec.kind} in the joint graph of {name}")
 
     ir_model = _onnx_export(joint.graph_module, tuple(args), tuple(dyn))
     graph = ir_model.graph
     _rename_signature(graph, arg_names, out_names, what=f"the training step of {name}")
-    roles = dict(zip(arg_names, arg_roles))
+    dropped = {use.names[t] for t in use.dropped}
+    _drop_inputs(graph, dropped)
+    roles = {n: r for n, r in zip(arg_names, arg_roles) if n not in dropped}
     roles.update(zip(out_names, out_roles))
     pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
     _match_state_shapes(graph, pairs)
     if optimizer is not None:
         _append_optimizer(graph, optimizer, grad_of, roles, pairs)
-    return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)))
+    return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)), use)
 
 
 def _export_eval(ep, model, example_inputs, input_names, axes, name):
+    use = _parameter_use(ep, model)
     args, arg_names, arg_roles, dyn = _graph_arguments(
-        ep.graph_signature.input_specs, model, example_inputs, input_names, axes, what=f"the forward graph of {name}"
+        ep.graph_signature.input_specs, model, example_inputs, input_names, axes, use.names,
+        what=f"the forward graph of {name}",
     )
     ir_model = _onnx_export(ep.graph_module, tuple(args), tuple(dyn))
     graph = ir_model.graph
     out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]
     _rename_signature(graph, arg_names, out_names, what=f"the forward graph of {name}")
-    roles = dict(zip(arg_names, arg_roles))
+    dropped = {use.names[t] for t in use.dropped}
+    _drop_inputs(graph, dropped)
+    roles = {n: r for n, r in zip(arg_names, arg_roles) if n not in dropped}
     roles.update({n: Role.ACTIVATION for n in out_names})
-    return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)))
+    return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)), use)
 
 
-def _graph_arguments(input_specs, module, user_values, user_names, axes, *, what: str):
+def _graph_arguments(input_specs, module, user_values, user_names, axes, param_names, *, what: str):
     """Positional arguments of an exported graph module, in signature order, with the ONNX
-    input name, role and dynamic shape of each: parameters and buffers by FQN, user inputs by
-    the names the caller gave."""
+    input name, role and dynamic shape of each: parameters by ``param_names`` (target -> name),
+    buffers by FQN, user inputs by the names the caller gave."""
     from torch.export.graph_signature import InputKind
 
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
     args, names, roles, dynamic = [], [], [], []
     user_index = 0
     for spec in input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             is_param = spec.kind == InputKind.PARAMETER
             args.append((params if is_param else buffers)[spec.target].detach())
-            names.append(_strip(spec.target))
+            names.append(param_names[spec.target] if is_param else _strip(spec.target))
             roles.append(Role.PARAM if is_param else Role.BUFFER)
             dynamic.append(None)
         elif spec.kind == InputKind.USER_INPUT:
@@ -530,9 +624,13 @@ def _append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs
     graph.outputs.extend(new_outputs)
 
 
-def _finish(ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mapping[str, Mapping[int, str]]) -> TrainingGraph:
+def _finish(
+    ir_model: ir.Model, roles: dict, pairs: dict, name: str, axes: Mapping[str, Mapping[int, str]], use: ParameterUse
+) -> TrainingGraph:
     model = ir.to_proto(ir_model)
     model.graph.name = name
+    model.metadata_props.add(key=TIED_PARAMS_KEY, value=json.dumps(use.tied, sort_keys=True))
+    model.metadata_props.add(key=UNUSED_PARAMS_KEY, value=json.dumps(list(use.unused)))
     _name_dynamic_dims(model, axes)
     _seed_random_ops(model)
     for node in model.graph.node:
@@ -585,8 +683,10 @@ def _name_dynamic_dims(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, s
 def initial_state(
     graph: TrainingGraph, model: torch.nn.Module, *, lr: float, step: int = 1
 ) -> dict[str, np.ndarray]:
-    """Values of every state input for the first step: parameters, buffers, zero optimizer state."""
-    tensors = {n: t.detach().cpu().numpy() for n, t in model.state_dict(keep_vars=False).items()}
+    """Values of every state input for the first step: parameters, buffers (non-persistent ones
+    too: they are not in ``state_dict()``), zero optimizer state."""
+    named = {**dict(model.named_buffers()), **model.state_dict(keep_vars=False)}
+    tensors = {n: t.detach().cpu().numpy() for n, t in named.items()}
     by_input = {v.name: v for v in graph.graph.input}
     state = {}
     for input_name in graph.state_inputs:

@@ -205,3 +205,95 @@ def test_the_key_is_the_same_in_another_process():
     keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()[-1]
             for _ in range(2)}
     assert keys == {key_only(Scaled(2.0))}
+
+
+# ---- items 1-3: tied and unused parameters, non-persistent buffers ---------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    """Input embedding tied to the output projection, as language models do."""
+
+    def __init__(self, vocab=12, dim=8) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+class TwoNames(torch.nn.Module):
+    """One Parameter registered under two names, each name used once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.second = self.first
+
+    def forward(self, x):
+        return torch.tanh(x @ self.first) @ self.second.t()
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.spare = torch.nn.Linear(4, 4)  # takes no part in the loss
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class WithPositions(torch.nn.Module):
+    """A non-persistent buffer (absent from ``state_dict()``) read by forward."""
+
+    def __init__(self, length=5, dim=4) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(length), persistent=False)
+        self.table = torch.nn.Embedding(length, dim)
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear(x + self.table(self.positions))
+
+
+def lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def token_data(steps=3, batch=3, seq=5, vocab=12):
+    g = torch.Generator().manual_seed(0)
+    return [((torch.randint(0, vocab, (batch, seq), generator=g),), (torch.randint(0, vocab, (batch, seq), generator=g),))
+            for _ in range(steps)]
+
+
+def test_tied_parameters_are_one_state_tensor_with_the_gradient_of_both_uses(tmp_path):
+    trainer = assert_trains_like_torch(TiedLM, token_data(), lm_loss, tmp_path)
+    graph = trainer.graph
+    assert graph.tied_params == {"head.weight": "emb.weight"}
+    assert "emb.weight" in graph.state_inputs and "head.weight" not in graph.input_names
+    logits = trainer.eval(token_data(1)[0][0][0])  # the forward export shares the one tensor too
+    model = trainer.copy_to(TiedLM())
+    with torch.no_grad():
+        expected = model.eval()(token_data(1)[0][0][0]).numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_one_parameter_under_two_names_trains_like_torch(tmp_path):
+    trainer = assert_trains_like_torch(TwoNames, regression_data(), mse, tmp_path)
+    assert trainer.graph.tied_params == {"second": "first"}
+
+
+def test_unused_parameters_are_kept_never_updated_and_reported(tmp_path):
+    torch.manual_seed(0)
+    before = WithUnused().spare.weight.detach().clone()
+    trainer = assert_trains_like_torch(WithUnused, regression_data(), mse, tmp_path)
+    assert trainer.graph.unused_params == ["spare.weight", "spare.bias"]
+    np.testing.assert_array_equal(trainer.state_dict()["spare.weight"], before.numpy())
+
+
+def test_non_persistent_buffers_are_state_too(tmp_path):
+    trainer = assert_trains_like_torch(WithPositions, regression_data(batch=5), mse, tmp_path)
+    np.testing.assert_array_equal(trainer.state_dict()["positions"], np.arange(5))
