@@ -436,6 +436,16 @@ def _drop_inputs(graph: ir.Graph, names) -> None:
         graph.inputs.remove(value)
 
 
+def _settle_inputs(graph: ir.Graph, arguments: GraphArguments, out_names, use: ParameterUse, *, what: str) -> dict:
+    """Name the exported graph's inputs and outputs, drop tied aliases, inline constants; the
+    roles of the inputs that remain."""
+    _rename_signature(graph, arguments.names, out_names, what=what)
+    dropped = {use.names[t] for t in use.dropped}
+    _drop_inputs(graph, dropped)
+    _inline_constants(graph, arguments.constants)
+    return {n: r for n, r in zip(arguments.names, arguments.roles) if n not in dropped and r is not None}
+
+
 def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
     """The joint forward/backward of the captured loss ``ep`` of ``wrapper``, in ONNX, with the
     optimizer appended."""
@@ -454,8 +464,8 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
 
     from torch.export.graph_signature import OutputKind
 
-    args, arg_names, arg_roles, dyn = _graph_arguments(
-        joint.graph_signature.input_specs, wrapper, batch, batch_names, axes, use.names,
+    arguments = _graph_arguments(
+        joint, joint.graph_signature.input_specs, wrapper, batch, batch_names, axes, use.names,
         what=f"the joint graph of {name}",
     )
 
@@ -474,12 +484,9 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
         else:
             raise ExportError(f"unsupported output kind {spec.kind} in the joint graph of {name}")
 
-    ir_model = _onnx_export(joint.graph_module, tuple(args), tuple(dyn))
+    ir_model = _onnx_export(joint.graph_module, tuple(arguments.values), tuple(arguments.dynamic))
     graph = ir_model.graph
-    _rename_signature(graph, arg_names, out_names, what=f"the training step of {name}")
-    dropped = {use.names[t] for t in use.dropped}
-    _drop_inputs(graph, dropped)
-    roles = {n: r for n, r in zip(arg_names, arg_roles) if n not in dropped}
+    roles = _settle_inputs(graph, arguments, out_names, use, what=f"the training step of {name}")
     roles.update(zip(out_names, out_roles))
     pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
     _match_state_shapes(graph, pairs)
@@ -490,30 +497,40 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
 
 def _export_eval(ep, model, example_inputs, input_names, axes, name):
     use = _parameter_use(ep, model)
-    args, arg_names, arg_roles, dyn = _graph_arguments(
-        ep.graph_signature.input_specs, model, example_inputs, input_names, axes, use.names,
+    arguments = _graph_arguments(
+        ep, ep.graph_signature.input_specs, model, example_inputs, input_names, axes, use.names,
         what=f"the forward graph of {name}",
     )
-    ir_model = _onnx_export(ep.graph_module, tuple(args), tuple(dyn))
+    ir_model = _onnx_export(ep.graph_module, tuple(arguments.values), tuple(arguments.dynamic))
     graph = ir_model.graph
     out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]
-    _rename_signature(graph, arg_names, out_names, what=f"the forward graph of {name}")
-    dropped = {use.names[t] for t in use.dropped}
-    _drop_inputs(graph, dropped)
-    roles = {n: r for n, r in zip(arg_names, arg_roles) if n not in dropped}
+    roles = _settle_inputs(graph, arguments, out_names, use, what=f"the forward graph of {name}")
     roles.update({n: Role.ACTIVATION for n in out_names})
     return _finish(ir_model, roles, {}, name, dict(zip(input_names, axes)), use)
 
 
-def _graph_arguments(input_specs, module, user_values, user_names, axes, param_names, *, what: str):
-    """Positional arguments of an exported graph module, in signature order, with the ONNX
-    input name, role and dynamic shape of each: parameters by ``param_names`` (target -> name),
-    buffers by FQN, user inputs by the names the caller gave."""
+@dataclasses.dataclass(frozen=True)
+class GraphArguments:
+    """Positional arguments of an exported graph module, with the ONNX input name, role and
+    dynamic shape of each; ``constants`` are the lifted constant tensors among them (by input
+    name), which become Constant nodes after export."""
+
+    values: list
+    names: list[str]
+    roles: list[Role | None]
+    dynamic: list
+    constants: dict[str, torch.Tensor]
+
+
+def _graph_arguments(program, input_specs, module, user_values, user_names, axes, param_names, *, what: str):
+    """The arguments of ``program``'s graph (``input_specs`` order): parameters named by
+    ``param_names`` (target -> name), buffers by FQN, user inputs by the names the caller gave,
+    constant tensors by their target."""
     from torch.export.graph_signature import InputKind
 
     params = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers(remove_duplicate=False))
-    args, names, roles, dynamic = [], [], [], []
+    args, names, roles, dynamic, constants = [], [], [], [], {}
     user_index = 0
     for spec in input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
@@ -528,9 +545,34 @@ def _graph_arguments(input_specs, module, user_values, user_names, axes, param_n
             roles.append(Role.INPUT)
             dynamic.append({i: torch.export.Dim.AUTO for i in axes[user_index]} or None)
             user_index += 1
+        elif spec.kind == InputKind.CONSTANT_TENSOR and isinstance(program.constants.get(spec.target), torch.Tensor):
+            args.append(program.constants[spec.target].detach())
+            names.append(f"constant.{_strip(spec.target)}")
+            roles.append(None)
+            dynamic.append(None)
+            constants[names[-1]] = args[-1]
         else:
             raise ExportError(f"unsupported input kind {spec.kind} in {what}")
-    return args, names, roles, dynamic
+    return GraphArguments(args, names, roles, dynamic, constants)
+
+
+def _inline_constants(graph: ir.Graph, constants: Mapping[str, torch.Tensor]) -> None:
+    """Replace the graph inputs of lifted constant tensors by Constant nodes holding their values."""
+    for value in [v for v in graph.inputs if v.name in constants]:
+        tensor = constants[value.name]
+        try:
+            array = tensor.cpu().numpy()
+        except TypeError as e:
+            raise ExportError(f"constant tensor {value.name!r} has dtype {tensor.dtype}, which has no ONNX constant here") from e
+        node = ir.node("Constant", [], {"value": ir.tensor(array)}, name=f"export/{value.name}")
+        if len(graph):
+            graph.insert_before(graph[0], node)
+        else:
+            graph.append(node)
+        node.outputs[0].name = f"{value.name}.value"
+        node.outputs[0].dtype, node.outputs[0].shape = value.dtype, value.shape
+        value.replace_all_uses_with(node.outputs[0])
+        graph.inputs.remove(value)
 
 
 def _strip(target: str) -> str:

@@ -297,3 +297,27 @@ def test_unused_parameters_are_kept_never_updated_and_reported(tmp_path):
 def test_non_persistent_buffers_are_state_too(tmp_path):
     trainer = assert_trains_like_torch(WithPositions, regression_data(batch=5), mse, tmp_path)
     np.testing.assert_array_equal(trainer.state_dict()["positions"], np.arange(5))
+
+
+# ---- item 4: constant tensors -------------------------------------------------------------------
+
+
+class Masked(torch.nn.Module):
+    """A plain tensor attribute (not a buffer): torch.export lifts it as a constant tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.mask = torch.tensor([1.0, 0.0, 1.0, 0.5])
+
+    def forward(self, x):
+        return self.linear(x) * self.mask
+
+
+def test_constant_tensors_become_constants_of_the_graph(tmp_path):
+    trainer = assert_trains_like_torch(Masked, regression_data(), mse, tmp_path)
+    assert not any(n.startswith("constant.") for n in trainer.graph.input_names)
+    x = regression_data(1)[0][0][0]
+    with torch.no_grad():
+        expected = trainer.copy_to(Masked()).eval()(x).numpy()
+    np.testing.assert_allclose(trainer.eval(x), expected, rtol=1e-5, atol=1e-6)
