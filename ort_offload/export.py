@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -327,7 +328,9 @@ def _torch_export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch
         ) from e
 
 
-def _onnx_export(graph_module, args: tuple, dynamic_shapes) -> ir.Model:
+def _onnx_export(graph_module, args: tuple, dynamic_shapes, *, origin: torch.fx.GraphModule | None = None) -> ir.Model:
+    """ONNX of ``graph_module``; ``origin`` (the captured forward, whose nodes know their module)
+    names where an op without a translation came from."""
     try:
         with _export_context():
             program = torch.onnx.export(
@@ -341,9 +344,48 @@ def _onnx_export(graph_module, args: tuple, dynamic_shapes) -> ir.Model:
                 optimize=True,
             )
     except Exception as e:
+        op = _untranslatable_op(e)
+        if op is not None:
+            raise ExportError(
+                f"{op} (from {_origin_of([g for g in (origin, graph_module) if g is not None], op)}) "
+                "has no ONNX translation: add one to "
+                "ort_offload/aten_translations.py or avoid the op in the model"
+            ) from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"ONNX export of the training step failed ({type(e).__name__}: {first})") from e
     return program.model
+
+
+_NO_TRANSLATION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
+
+
+def _untranslatable_op(error: BaseException) -> str | None:
+    """``aten.op.overload`` when torch's ONNX exporter failed for want of a translation of it."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        match = _NO_TRANSLATION.search(str(error))
+        if match:
+            return f"{match.group(1)}.{match.group(2)}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _origin_of(graph_modules: Sequence[torch.fx.GraphModule], op: str) -> str:
+    """The innermost module (path and class) whose forward produced the first node calling ``op``
+    (or an op of the same name that the ONNX exporter's decompositions turned into it)."""
+    base = op.split(".")[1] if op.count(".") >= 2 else op
+    found = None
+    for graph_module in graph_modules:
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and (str(node.target) == op or base in str(node.target)):
+                stack = node.meta.get("nn_module_stack") or {}
+                if stack:
+                    path, cls = list(stack.values())[-1]
+                    cls_name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+                    return f"module {_strip(str(path)) or 'root'} ({cls_name.rsplit('.', 1)[-1]})"
+                found = found or f"node {node.name}"
+    return found or "the joint graph"
 
 
 def _capture(model, kind, loss_fn, example_inputs, batch, axes) -> torch.export.ExportedProgram:
@@ -484,7 +526,7 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
         else:
             raise ExportError(f"unsupported output kind {spec.kind} in the joint graph of {name}")
 
-    ir_model = _onnx_export(joint.graph_module, tuple(arguments.values), tuple(arguments.dynamic))
+    ir_model = _onnx_export(joint.graph_module, tuple(arguments.values), tuple(arguments.dynamic), origin=ep.graph_module)
     graph = ir_model.graph
     roles = _settle_inputs(graph, arguments, out_names, use, what=f"the training step of {name}")
     roles.update(zip(out_names, out_roles))

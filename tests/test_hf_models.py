@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` models as they come (tiny configs, their defaults otherwise):
-GPT-2 with its tied embeddings and KV cache on, BERT masked-LM (tied decoder weight and bias)
-and BERT sequence classification (non-persistent position ids). Losses against torch."""
+GPT-2 with its tied embeddings and KV cache on, BERT masked-LM (tied decoder weight and bias),
+BERT sequence classification (non-persistent position ids) and Llama (SiLU MLP, whose backward
+allocates with aten.empty_permuted). Losses against torch."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def gpt2():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
                                      bos_token_id=0, eos_token_id=0, **NO_DROPOUT)
     return transformers.GPT2LMHeadModel(config)
+
+
+def llama():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
 
 
 def bert_config(**options):
@@ -64,6 +72,7 @@ MODELS = {
     "gpt2": (gpt2, lm_loss, "lm"),
     "bert-mlm": (bert_mlm, lm_loss, "lm"),
     "bert-cls": (bert_classifier, class_loss, "class"),
+    "llama": (llama, lm_loss, "lm"),
 }
 
 

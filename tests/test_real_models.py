@@ -321,3 +321,43 @@ def test_constant_tensors_become_constants_of_the_graph(tmp_path):
     with torch.no_grad():
         expected = trainer.copy_to(Masked()).eval()(x).numpy()
     np.testing.assert_allclose(trainer.eval(x), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- item 8: ATen ops the exporter cannot translate ------------------------------------------------
+
+
+class SwiGLU(torch.nn.Module):
+    """A gated SiLU MLP (Llama's): its backward allocates with aten.empty_permuted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 8)
+        self.up = torch.nn.Linear(4, 8)
+        self.down = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_silu_backward_exports_and_trains_like_torch(tmp_path):
+    assert_trains_like_torch(SwiGLU, regression_data(), mse, tmp_path)
+
+
+class Bessel(torch.nn.Module):
+    def forward(self, x):
+        return torch.special.bessel_j0(x)
+
+
+class WithBessel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.window = Bessel()
+
+    def forward(self, x):
+        return self.linear(x) * self.window(x)
+
+
+def test_an_op_without_translation_is_an_export_error_naming_the_op_and_its_module(tmp_path):
+    with pytest.raises(ort_offload.ExportError, match=r"bessel_j0.*module window \(Bessel\).*aten_translations"):
+        key_of(WithBessel(), tmp_path)
