@@ -89,22 +89,27 @@ def torch_losses(model, batches, loss_fn):
     return losses
 
 
+def train(model, batches, loss_fn, name, budget):
+    device = ort_offload.set_offload_device("cpu", budget=budget)
+    trainer = ort_offload.create_ort_trainer(
+        device, copy.deepcopy(model), loss_fn=loss_fn, example_inputs=batches[0][0],
+        example_targets=batches[0][1], input_names=["ids"], target_names=["labels"], optimizer=ADAMW, name=name,
+    )
+    losses = [trainer.step(*inputs, *targets) for inputs, targets in batches]
+    assert trainer.report()["within_budget"], trainer.report()
+    return losses
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_trains_like_torch_unbudgeted_and_at_half_the_peak(name):
+def test_trains_like_torch_unbudgeted_at_fractions_of_the_peak_and_at_the_stated_minimum(name):
     make, loss_fn, kind = MODELS[name]
     batches = data(kind)
     torch.manual_seed(0)
     model = make()
     expected = torch_losses(copy.deepcopy(model), batches, loss_fn)
-    runs = {}
-    for budget in (None, "0.5x"):
-        device = ort_offload.set_offload_device("cpu", budget=budget)
-        trainer = ort_offload.create_ort_trainer(
-            device, copy.deepcopy(model), loss_fn=loss_fn, example_inputs=batches[0][0],
-            example_targets=batches[0][1], input_names=["ids"], target_names=["labels"], optimizer=ADAMW, name=name,
-        )
-        runs[budget] = [trainer.step(*inputs, *targets) for inputs, targets in batches]
-        report = trainer.report()
-        assert report["within_budget"], report
-    np.testing.assert_allclose(runs[None], expected, rtol=1e-5)
-    assert runs["0.5x"] == runs[None]  # a planned run equals the unplanned one bitwise
+    unplanned = train(model, batches, loss_fn, name, None)
+    np.testing.assert_allclose(unplanned, expected, rtol=1e-5)
+    with pytest.raises(ort_offload.BudgetTooSmallError) as refused:
+        train(model, batches[:1], loss_fn, name, 1024)
+    for budget in ("0.5x", "0.3x", refused.value.needed_bytes):
+        assert train(model, batches, loss_fn, name, budget) == unplanned, budget  # planned runs: bitwise equal
