@@ -113,3 +113,17 @@ def test_trains_like_torch_unbudgeted_at_fractions_of_the_peak_and_at_the_stated
         train(model, batches[:1], loss_fn, name, 1024)
     for budget in ("0.5x", "0.3x", refused.value.needed_bytes):
         assert train(model, batches, loss_fn, name, budget) == unplanned, budget  # planned runs: bitwise equal
+
+
+def test_bert_masked_lm_with_untied_embeddings_trains_like_torch():
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(bert_config(tie_word_embeddings=False))
+    batches = data("lm", steps=2)
+    expected = torch_losses(copy.deepcopy(model), batches, lm_loss)
+    device = ort_offload.set_offload_device("cpu")
+    trainer = ort_offload.create_ort_trainer(
+        device, copy.deepcopy(model), loss_fn=lm_loss, example_inputs=batches[0][0], example_targets=batches[0][1],
+        input_names=["ids"], target_names=["labels"], optimizer=ADAMW, name="bert-mlm-untied",
+    )
+    assert "bert.embeddings.word_embeddings.weight" not in trainer.graph.tied_params.values()
+    np.testing.assert_allclose([trainer.step(*i, *t) for i, t in batches], expected, rtol=1e-5)
