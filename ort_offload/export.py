@@ -114,11 +114,49 @@ def _source_of(obj: Any) -> str:
         return getattr(obj, "__qualname__", repr(type(obj)))
 
 
+def _plain_value(value: Any, depth: int = 0) -> Any:
+    """A JSON-able rendering of an attribute's value: numbers, strings, containers, dataclasses
+    and config objects (``to_dict()``) by content, tensors by digest, functions by source."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > 4:
+        return type(value).__qualname__
+    if isinstance(value, torch.Tensor):
+        return _tensor_digest(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain_value(v, depth + 1) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, Mapping):
+        return {str(k): _plain_value(v, depth + 1) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain_value(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "to_dict", None)):
+        try:
+            return _plain_value(value.to_dict(), depth + 1)
+        except Exception:  # noqa: BLE001 - a config that cannot render itself keys by its type
+            return f"{type(value).__module__}.{type(value).__qualname__}"
+    if callable(value):
+        return hashlib.sha256(_source_of(value).encode()).hexdigest()
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _attributes(model: torch.nn.Module) -> dict:
+    """Every submodule's own attributes (not parameters, buffers or submodules): plain values
+    and config objects change what forward computes without changing the structure."""
+    return {
+        name or "root": {k: _plain_value(v) for k, v in sorted(vars(module).items())
+                         if not k.startswith("_") and k != "forward"}  # forward: the block-wise wrapper
+        for name, module in model.named_modules()
+    }
+
+
 def _structure_fingerprint(model: torch.nn.Module, loss_fn: Callable | None) -> dict:
-    """Structure and code of a module without tracing it (block-wise steps key on this)."""
+    """Structure, code and attributes of a module without tracing it (block-wise steps key on
+    this; the whole-step export keys on the program torch.export captures)."""
     classes = sorted({type(m) for m in model.modules()}, key=lambda c: c.__module__ + c.__qualname__)
     return {
         "repr": repr(model),
+        "attributes": _attributes(model),
         "code": [hashlib.sha256(_source_of(c).encode()).hexdigest() for c in classes],
         "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],

@@ -361,3 +361,13 @@ class WithBessel(torch.nn.Module):
 def test_an_op_without_translation_is_an_export_error_naming_the_op_and_its_module(tmp_path):
     with pytest.raises(ort_offload.ExportError, match=r"bessel_j0.*module window \(Bessel\).*aten_translations"):
         key_of(WithBessel(), tmp_path)
+
+
+def test_block_wise_step_keys_see_plain_attributes_and_config_objects():
+    from ort_offload.blockwise import block_cache_key
+
+    x = (torch.randn(2, 4),)
+    torch.manual_seed(0)
+    assert block_cache_key(Scaled(1.0), x) == block_cache_key(Scaled(1.0), x)
+    assert block_cache_key(Scaled(1.0), x) != block_cache_key(Scaled(3.0), x)
+    assert block_cache_key(Configured(FlagConfig()), x) != block_cache_key(Configured(FlagConfig(residual=True)), x)
