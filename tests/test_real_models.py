@@ -198,11 +198,15 @@ def test_the_key_is_the_same_in_another_process():
     import subprocess
     import sys
 
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
     script = (
-        "import torch, sys; sys.path.insert(0, 'tests'); torch.manual_seed(1);"
+        f"import torch, sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; torch.manual_seed(1);"
         "from test_real_models import Scaled, key_only; print(key_only(Scaled(2.0)))"
     )
-    keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()[-1]
+    keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           cwd=here.parent).stdout.split()[-1]
             for _ in range(2)}
     assert keys == {key_only(Scaled(2.0))}
 
