@@ -80,6 +80,22 @@ class _LossModule(torch.nn.Module):
         return out if self.loss_fn is None else self.loss_fn(out, *targets)
 
 
+class _TensorOutputs(torch.nn.Module):
+    """forward(*inputs) -> the model's outputs, a dict or dataclass output (``ModelOutput``)
+    reduced to its tensor fields in order (a KV cache object is no graph output). Parameter
+    names get the same "model." prefix as in :class:`_LossModule`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        out = self.model(*inputs)
+        if isinstance(out, Mapping):
+            return tuple(v for v in out.values() if isinstance(v, torch.Tensor))
+        return out
+
+
 class _Positional(torch.nn.Module):
     """Calls an exported graph module with positional arguments only."""
 
@@ -342,7 +358,7 @@ def _export(
             wrapper = _LossModule(model, loss_fn, len(example_inputs))
             graph = _export_train(program, wrapper, batch, batch_names, axes, optimizer, name)
         else:
-            graph = _export_eval(program, model, example_inputs, input_names, axes, name)
+            graph = _export_eval(program, _TensorOutputs(model), example_inputs, input_names, axes, name)
         elapsed = time.perf_counter() - start
         logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
         saved = None
@@ -431,7 +447,7 @@ def _capture(model, kind, loss_fn, example_inputs, batch, axes) -> torch.export.
     if kind == "train":
         wrapper = _LossModule(model, loss_fn, len(example_inputs))
         return _torch_export(wrapper, batch, (_dynamic_shapes(batch, axes),))  # forward(*batch): one varargs entry
-    return _torch_export(model, example_inputs, _dynamic_shapes(example_inputs, axes))
+    return _torch_export(_TensorOutputs(model), example_inputs, (_dynamic_shapes(example_inputs, axes),))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,3 +127,23 @@ def test_bert_masked_lm_with_untied_embeddings_trains_like_torch():
     )
     assert "bert.embeddings.word_embeddings.weight" not in trainer.graph.tied_params.values()
     np.testing.assert_allclose([trainer.step(*i, *t) for i, t in batches], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_eval_gives_the_logits_of_the_trained_weights(name):
+    """GPT-2's output holds a KV cache object (no graph output); Llama's parameters are named
+    ``model.layers...``, which the eval graph must keep as the training state names them."""
+    make, loss_fn, kind = MODELS[name]
+    batches = data(kind, steps=1)
+    torch.manual_seed(0)
+    model = make()
+    device = ort_offload.set_offload_device("cpu")
+    trainer = ort_offload.create_ort_trainer(
+        device, copy.deepcopy(model), loss_fn=loss_fn, example_inputs=batches[0][0], example_targets=batches[0][1],
+        input_names=["ids"], target_names=["labels"], optimizer=ADAMW, name=name,
+    )
+    trainer.step(*batches[0][0], *batches[0][1])
+    trained = trainer.copy_to(copy.deepcopy(model)).eval()
+    with torch.no_grad():
+        expected = trained(*batches[0][0]).logits.numpy()
+    np.testing.assert_allclose(trainer.eval(*batches[0][0]), expected, rtol=1e-5, atol=1e-6)
