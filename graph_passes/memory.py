@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from ort_offload.errors import ArenaStateError
+
 DEFAULT_ALIGNMENT = 64
 
 
@@ -51,7 +53,17 @@ class BestFitAllocator:
         return name in self._placements
 
     def placement(self, name: str) -> Placement:
-        return self._placements[name]
+        return self._placed(name)
+
+    def _placed(self, name: str) -> Placement:
+        """``name``'s placement; a name never placed (or already freed) is an ArenaStateError."""
+        try:
+            return self._placements[name]
+        except KeyError:
+            raise ArenaStateError(
+                f"the arena holds no tensor {name!r} ({len(self._placements)} placed); "
+                "this is a runtime bug: report it with the model and budget"
+            ) from None
 
     def names(self) -> list[str]:
         return list(self._placements)
@@ -134,7 +146,8 @@ class BestFitAllocator:
         return self._record(name, offset, size)
 
     def free(self, name: str) -> None:
-        placement = self._placements.pop(name)
+        placement = self._placed(name)
+        del self._placements[name]
         self.in_use -= placement.nbytes
         start, end = placement.offset, placement.offset + placement.nbytes
         i = bisect.bisect_left(self._free, (start, 0))
@@ -152,7 +165,7 @@ class BestFitAllocator:
         """``name``'s bytes become consecutive tensors ``pieces`` ((name, bytes) in order; every
         size but the last a multiple of the alignment), each freed on its own later (a split
         view). Nothing moves and no byte is added."""
-        placement = self._placements[name]
+        placement = self._placed(name)
         sizes = [align_up(nbytes, self.alignment) for _, nbytes in pieces]
         if sum(sizes) != placement.nbytes or any(nbytes % self.alignment for _, nbytes in pieces[:-1]):
             raise ValueError(f"pieces of {sum(sizes)} aligned bytes do not tile {name!r} ({placement.nbytes})")
@@ -168,7 +181,8 @@ class BestFitAllocator:
         """The tensor at ``old`` is now known as ``new`` (state that became the next step's input)."""
         if new in self._placements:
             raise ValueError(f"{new!r} is already allocated")
-        self._placements[new] = self._placements.pop(old)
+        self._placements[new] = self._placed(old)
+        del self._placements[old]
 
     def high_water_live(self) -> int:
         """End of the highest tensor live now (the frontier: frees at the top retreat it)."""

@@ -24,6 +24,8 @@ ROLES_KEY = "ort_offload.roles"
 STATE_PAIRS_KEY = "ort_offload.state_pairs"
 MODEL_NAME_KEY = "ort_offload.model"
 DATA_INPUTS_KEY = "ort_offload.data_inputs"
+TIED_PARAMS_KEY = "ort_offload.tied_params"  # written by the exporter: {alias: name}
+UNUSED_PARAMS_KEY = "ort_offload.unused_params"
 
 
 class Role(str, enum.Enum):
@@ -99,6 +101,19 @@ class TrainingGraph:
 
     def names_with_role(self, role: Role) -> list[str]:
         return [n for n, r in self.roles.items() if r == role]
+
+    @property
+    def tied_params(self) -> dict[str, str]:
+        """Each alias of a tied parameter and the name of the one state input it shares."""
+        return json.loads(self._prop(TIED_PARAMS_KEY) or "{}")
+
+    @property
+    def unused_params(self) -> list[str]:
+        """Trainable parameters the loss does not depend on: kept as state, never updated."""
+        return json.loads(self._prop(UNUSED_PARAMS_KEY) or "[]")
+
+    def _prop(self, key: str) -> str | None:
+        return next((p.value for p in self.model.metadata_props if p.key == key), None)
 
     # ---- persistence -------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ __all__ = [
     "avg_pool3d",
     "avg_pool3d_backward",
     "convolution_backward",
+    "empty_permuted",
     "native_batch_norm_legit_functional",
 ]
 
@@ -690,7 +691,30 @@ def native_batch_norm_legit_functional(
     return out, save_mean, save_rstd, new_mean, new_var
 
 
+# --------------------------------------------------------------------------- allocation
+
+
+def empty_permuted(
+    size: Sequence[int],
+    physical_layout: Sequence[int],
+    dtype: int = -1,
+    layout: str = "",
+    device: str = "",
+    pin_memory: bool = False,
+):
+    """empty_permuted(SymInt[] size, int[] physical_layout, *, ScalarType? dtype=None, Layout? layout=None, Device? device=None, bool? pin_memory=None) -> Tensor
+
+    An uninitialised tensor of shape ``size`` whose memory is laid out in ``physical_layout``
+    order (SiLU's and other pointwise backwards allocate with it). ONNX values have no strides,
+    so it is torch_lib's ``aten.empty`` of the logical shape (zeros).
+    """
+    from onnxscript.function_libs.torch_lib.ops.core import aten_empty
+
+    return aten_empty(size, dtype=ir.DataType.FLOAT if dtype in (-1, None) else dtype)
+
+
 CUSTOM_TRANSLATION_TABLE: dict = {
+    torch.ops.aten.empty_permuted.default: empty_permuted,
     torch.ops.aten._native_batch_norm_legit_functional.default: native_batch_norm_legit_functional,
     torch.ops.aten.convolution_backward.default: convolution_backward,
     torch.ops.aten.avg_pool2d.default: avg_pool2d,

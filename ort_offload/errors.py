@@ -48,6 +48,10 @@ class ExportError(OffloadError):
     """torch could not export the model as a training-step graph."""
 
 
+class ArenaStateError(OffloadError):
+    """The arena was asked about a tensor it does not hold (a runtime bug, not a budget problem)."""
+
+
 class ExecutionError(OffloadError):
     """ONNX Runtime failed while running a block (e.g. an index out of range in the batch)."""
 

@@ -264,7 +264,7 @@ class OrtTrainer:
         module = self.model if module is None else module
         if module is None:
             raise OffloadError("copy_to() needs a torch module to copy into")
-        own = module.state_dict()
+        own = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent buffers too
         with torch.no_grad():
             for name in self.graph.state_inputs:
                 if name in own:

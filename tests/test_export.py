@@ -100,14 +100,15 @@ def test_dynamic_batch_and_sequence_axes_serve_every_size():
         assert loss == pytest.approx(expected, rel=1e-5)
 
 
-def test_cache_hit_skips_torch_export(tmp_path, monkeypatch):
+def test_cache_hit_skips_the_joint_graph_and_the_onnx_export(tmp_path, monkeypatch):
     _, first = export("mlp", cache_dir=tmp_path)
     assert not first.cache_hit and first.path.exists()
 
     def refuse(*args, **kwargs):
-        raise AssertionError("torch.export ran on a cache hit")
+        raise AssertionError("the joint graph or the ONNX export ran on a cache hit")
 
-    monkeypatch.setattr(torch.export, "export", refuse)
+    monkeypatch.setattr(torch.export.experimental, "_export_forward_backward", refuse)
+    monkeypatch.setattr(torch.onnx, "export", refuse)
     _, second = export("mlp", cache_dir=tmp_path)
     assert second.cache_hit and second.cache_key == first.cache_key
     assert second.graph.model.SerializeToString() == first.graph.with_metadata().SerializeToString()

@@ -24,6 +24,20 @@ def test_best_fit_reuses_the_smallest_hole_that_fits():
     assert a.high_water == 576
 
 
+def test_a_name_the_allocator_does_not_hold_is_an_offload_error_not_a_key_error():
+    from ort_offload.errors import ArenaStateError, OffloadError
+
+    a = BestFitAllocator(alignment=64)
+    a.allocate("x", 64)
+    a.free("x")
+    for call in (lambda: a.free("x"), lambda: a.free("ids"), lambda: a.rename("ids", "y"),
+                 lambda: a.partition("ids", [("p", 64)])):
+        with pytest.raises(ArenaStateError, match="holds no tensor") as caught:
+            call()
+        assert isinstance(caught.value, OffloadError) and not isinstance(caught.value, KeyError)
+    assert a.in_use == 0 and a.names() == []
+
+
 def test_frees_coalesce_and_the_frontier_retreats():
     a = BestFitAllocator(alignment=64)
     for name in "abc":
