@@ -10,8 +10,8 @@ standard ONNX ops. The optimizer update is then appended as ONNX ops
 Exports are cached on disk, keyed by the fingerprint of the program ``torch.export`` captures
 (graph code with every literal and shape, signature, constants), the trainable parameters, the
 optimizer and the exporter's versions and code: a cache hit runs ``torch.export`` (the cheap
-part) and skips the joint graph and the ONNX export. Each entry is verified against the content hash written with it
-(:mod:`ort_offload.export_cache`).
+part) and skips the joint graph and the ONNX export. Each entry is verified against the content
+hash written with it (:mod:`ort_offload.export_cache`).
 """
 
 from __future__ import annotations
