@@ -191,8 +191,6 @@ class Runtime:
 # larger blocks run faster (ONNX Runtime fuses across more nodes, fewer calls); smaller ones
 # free values sooner and bound each block's workspace.
 AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-# The least budget a split plan needs is searched to within 1/this of it (0.5%: so 1% less fails).
-SPLIT_MINIMUM_RESOLUTION = 200
 
 
 def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[int]:
@@ -351,11 +349,10 @@ class GraphRunner:
             # Swap and recompute alone cannot: split the ops that do not fit (TSPLIT), swap the rest.
             split = self._plan_split(input_infos, probe_feeds, infos, budget, needed)
             if isinstance(split, Bottleneck):
-                # The walk stops at the first op no split fits, so it cannot say what a split
-                # plan would need: search for it between the budget and the plan without splits.
+                # The minimum stated stays the one that plans without splits: the walk stops at
+                # the first op no split fits, so it cannot say what a split plan would need.
                 where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
                 bottleneck = f" (splitting stops at {where}: {split.reason})"
-                needed = self._least_split_budget(input_infos, probe_feeds, infos, budget, needed)
             else:
                 model, infos, chosen, split_nodes, split_plan = split
                 recomputed = 0
@@ -518,17 +515,6 @@ class GraphRunner:
         logger.info("recompute or swap for %s on %s: %s (%s)", self.graph.name, profile.name, label,
                     ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
         return model, model_infos, chosen, clones, needed
-
-    def _least_split_budget(self, input_infos, probe_feeds, infos, failed: int, plans: int) -> int:
-        """The least budget in (``failed``, ``plans``] that a split plan fits, to within 1%:
-        bisection, each probe a split planning (``plans`` itself plans without splits)."""
-        while plans - failed > max(plans // SPLIT_MINIMUM_RESOLUTION, self.runtime.device.alignment):
-            middle = (failed + plans) // 2
-            if isinstance(self._plan_split(input_infos, probe_feeds, infos, middle, plans), Bottleneck):
-                failed = middle
-            else:
-                plans = middle
-        return plans
 
     def _plan_split(self, input_infos, probe_feeds, infos, budget: int, needed: int):
         """Split the ops too large for the budget (:class:`graph_passes.split_planner.JointPlanner`),
