@@ -135,8 +135,9 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[
         profile = get_profile(name)
         prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes))
         unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
-        (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=model, profile=profile,
-                                                       budget=budget_bytes))
+        planned = prepared.model if prepared.model is not None else model  # rewritten by split or recompute
+        (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=planned,
+                                                       profile=profile, budget=budget_bytes))
         out[name] = {
             "step_time_s": trace.step_time_s,
             "unlimited_s": unlimited,
