@@ -162,12 +162,8 @@ class BlockSession:
 def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False) -> ort.SessionOptions:
     options = ort.SessionOptions()
     # No graph optimizations: every node computes the same in any block, so plans are bitwise
-    # equal to the unplanned run by construction. Even the basic level fuses patterns across
-    # nodes (MatMul+Add, Div+Mul, Conv+Add...) into kernels that round differently, and a block
-    # cut through a pattern leaves it unfused: alexnet from the onnx light zoo at a 0.3x budget
-    # (25 blocks) gave a first loss 1.1e-5 off the unplanned one with basic, identical with none.
-    # Cost, 2 cores, one whole-graph session each: gpt small 201-209 ms/step basic vs 207-217
-    # none, cnn small 294 vs 286-290 (basic vs all: 169 vs 161 ms measured earlier).
+    # equal to the unplanned run by construction (fusions differ where a block cuts a pattern;
+    # docs/decisions.md has the measurements behind these options).
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = intra_op_threads
     options.log_severity_level = ort_log_severity()
@@ -176,26 +172,19 @@ def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False
     options.use_deterministic_compute = True
     # Every block is its own session with its own intra-op pool. A pool that spins while its
     # block runs saves a wake-up per parallel node; one that goes on spinning after its block
-    # returns steals the cores the next block needs (gpt small, 13 blocks, 2 cores: 0.76 s/step
-    # all spinning vs 0.29 s none). force_spinning_stop ends the spinning when Run returns:
-    # gpt small in 3 blocks of ~790 nodes, 171-249 ms/step all spinning with it against 246-286
-    # with only blocks of a quarter of the graph spinning without it (README, "How it works").
+    # returns steals the cores the next block needs: force_spinning_stop ends it when Run returns.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if spinning:
         options.add_session_config_entry("session.force_spinning_stop", "1")
     # No memory patterns: ORT records one per input-shape set and allocates it as one block on
     # that shape's second run, so with dynamic shapes every new length pays an arena extension
-    # once more (bert small, 0.33x, input-aware, the 2nd run of length 172: 1314 ms against
-    # 992 first and 701 third; with patterns off 692 second). Fixed shapes gain nothing from
-    # them: gpt small 216 vs 225 ms/step unplanned, 323 vs 323 at 0.5x.
+    # once more; fixed shapes gain nothing from them.
     options.enable_mem_pattern = False
     # One CPU arena for every block session in the process, not one per session: only one
     # block runs at a time, so the memory ORT holds for block-internal values is the largest
     # block's, as the budget's workspace term assumes, not the sum over every cached session.
     # Each new session's first run then reuses pages earlier blocks touched instead of
-    # faulting in fresh ones (bert small, variable lengths, 0.33x, first 50 steps of the
-    # Mimose epoch: process RSS 4.2 GiB -> 1.75 GiB; a new segment set's first run at length
-    # 146, 1162 -> 703 ms; throwaway probe, see the README).
+    # faulting in fresh ones.
     if shared_cpu_arena():
         options.add_session_config_entry("session.use_env_allocators", "1")
     return options

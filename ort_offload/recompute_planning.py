@@ -1,5 +1,5 @@
 """Recompute planning across input signatures: what a :class:`~ort_offload.runtime.GraphRunner`
-does when a new input shape needs recomputation to fit its budget (Mimose, issue 4).
+does when a new input shape needs recomputation to fit its budget (Mimose).
 
 One graph with a dynamic sequence (and batch) axis serves every input size. Per runner this
 module keeps what does not depend on the size (the forward segments, found once; the rewritten

@@ -4,8 +4,8 @@
 runs one graph on it: per input signature it infers shapes, lowers the graph into blocks and
 steps (:mod:`graph_passes.program`), replays the program through the arena's allocator
 (:mod:`graph_passes.memory`) to check the budget before anything runs, then executes the steps
-with one ONNX Runtime session per block bound into arena memory. Later issues add steps (swap,
-prefetch) and allocation policies to this loop rather than rewriting it.
+with one ONNX Runtime session per block bound into arena memory. The device's memory, copy
+engines and providers come from its backend (:mod:`ort_offload.device_backend`).
 """
 
 from __future__ import annotations
@@ -472,7 +472,7 @@ class GraphRunner:
                           position_of=position_of, alignment=self.runtime.device.alignment, max_blocks=max_blocks)
 
     def _choose_recompute_or_swap(self, infos, budget: int, needed: int):
-        """Where recompute and swap are both allowed (issue 4, item 5): plan recompute alone
+        """Where recompute and swap are both allowed: plan recompute alone
         (or as far as it goes, then swap), swap alone, and the segments cheaper to recompute
         than to copy (:mod:`graph_passes.offload_choice`) recomputed with the rest swapped; the
         fastest in simulation on the planning profile wins. Returns (model, infos, chosen or
