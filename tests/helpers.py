@@ -120,3 +120,17 @@ def chain_body(ops) -> tuple[list[str], str]:
             lines.append(f"{out} = {op}({last})")
         prev, last = last, out
     return lines, last
+
+
+def torch_losses(model, data, loss_fn, optimizer_config) -> list[float]:
+    """Plain torch training of ``model`` on ``data`` ((inputs, targets) pairs): the losses."""
+    optimizer = optimizer_config.torch_optimizer(model.parameters())
+    model.train()
+    losses = []
+    for inputs, targets in data:
+        loss = loss_fn(model(*inputs), *targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

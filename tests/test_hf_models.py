@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ort_offload
+from helpers import torch_losses
 from ort_offload import optimizers
 
 transformers = pytest.importorskip("transformers")
@@ -76,19 +77,6 @@ MODELS = {
 }
 
 
-def torch_losses(model, batches, loss_fn):
-    optimizer = ADAMW.torch_optimizer(model.parameters())
-    model.train()
-    losses = []
-    for inputs, targets in batches:
-        loss = loss_fn(model(*inputs), *targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def train(model, batches, loss_fn, name, budget):
     device = ort_offload.set_offload_device("cpu", budget=budget)
     trainer = ort_offload.create_ort_trainer(
@@ -106,7 +94,7 @@ def test_trains_like_torch_unbudgeted_at_fractions_of_the_peak_and_at_the_stated
     batches = data(kind)
     torch.manual_seed(0)
     model = make()
-    expected = torch_losses(copy.deepcopy(model), batches, loss_fn)
+    expected = torch_losses(copy.deepcopy(model), batches, loss_fn, ADAMW)
     unplanned = train(model, batches, loss_fn, name, None)
     np.testing.assert_allclose(unplanned, expected, rtol=1e-5)
     with pytest.raises(ort_offload.BudgetTooSmallError) as refused:
@@ -119,7 +107,7 @@ def test_bert_masked_lm_with_untied_embeddings_trains_like_torch():
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(bert_config(tie_word_embeddings=False))
     batches = data("lm", steps=2)
-    expected = torch_losses(copy.deepcopy(model), batches, lm_loss)
+    expected = torch_losses(copy.deepcopy(model), batches, lm_loss, ADAMW)
     device = ort_offload.set_offload_device("cpu")
     trainer = ort_offload.create_ort_trainer(
         device, copy.deepcopy(model), loss_fn=lm_loss, example_inputs=batches[0][0], example_targets=batches[0][1],

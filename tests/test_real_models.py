@@ -13,6 +13,7 @@ import torch
 
 import ort_offload
 from ort_offload import export as export_module
+from helpers import torch_losses
 from ort_offload import optimizers
 from ort_offload.export import export_training_step
 
@@ -39,16 +40,7 @@ def train_ours(model, data, loss_fn, cache_dir, *, config=ADAMW, budget=None, **
 
 
 def train_torch(model, data, loss_fn, *, config=ADAMW):
-    optimizer = config.torch_optimizer(model.parameters())
-    model.train()
-    losses = []
-    for inputs, targets in data:
-        loss = loss_fn(model(*inputs), *targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return torch_losses(model, data, loss_fn, config)
 
 
 def assert_trains_like_torch(make_model, data, loss_fn, cache_dir, *, rtol=1e-5, **options):
