@@ -69,9 +69,10 @@ compat-test: compat
 run: setup
 	$(PY) -m ort_offload train --model gpt --config small --budget 1.0x --steps 10 --verify
 
-# The suite without the slow reliability tests (fuzzing, kill loops); test-all runs everything.
+# The fast suite: without the slow reliability tests (fuzzing, kill loops) and the tests that
+# run the benchmark scripts; test-all runs everything (CI runs test-all).
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not bench"
 
 test-all: setup
 	$(PY) -m pytest -q

@@ -24,7 +24,7 @@ Run ``python -m benchmarks.dynn [--quick] [--out DIR] [--predictor pilot|oracle]
    trainers' steps are interleaved on the same batches, so machine noise hits all alike; losses
    and parameters are compared bitwise with the unlimited run. The CPU has no copy engine
    (a copy is a memcpy on the cores the blocks compute on), so each budgeted step's event trace
-   is also replayed on the V100 and H100 profiles (:mod:`graph_passes.trace_replay`): simulated
+   is also replayed on the V100 and H100 profiles (:mod:`graph_passes.cost.trace_replay`): simulated
    step time as % of the same step with unlimited memory.
 3. **Mispredictions** over ``samples`` single-sample batches of every dynamic family: training
    steps with the predictor, with and without the misprediction cache (a batch whose raw pilot
@@ -81,7 +81,7 @@ def make_predictor(kind: str) -> Callable[[Any], Any]:
     if kind == "oracle":
         return lambda spec: OraclePredictor()
     if kind == "pilot":
-        from ort_offload.pilot_support import make_pilot
+        from ort_offload.dynamic.pilot_support import make_pilot
         from pilot.inference import Pilot
 
         shared = Pilot()  # the committed all-family pilot; one session serves every model
@@ -102,7 +102,7 @@ def _deep_spec(settings: Settings, layers: int):
 def _capacity_step(settings: Settings, layers: int, budget: int | None, residency: str, cache) -> dict:
     """One training step of the ``layers``-deep model; the peak, or the error that stopped it."""
     import ort_offload
-    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.dynamic.trainer import BlockwiseTrainer
     from ort_offload.errors import BudgetTooSmallError
 
     spec = _deep_spec(settings, layers)
@@ -125,7 +125,7 @@ def _capacity_step(settings: Settings, layers: int, budget: int | None, residenc
 
 
 def run_capacity(settings: Settings, log) -> dict:
-    from ort_offload.blockwise import BlockStepCache
+    from ort_offload.dynamic.blockwise import BlockStepCache
 
     cache = BlockStepCache()
     base = _capacity_step(settings, settings.base_layers, None, "resident", cache)
@@ -163,8 +163,8 @@ def run_capacity(settings: Settings, log) -> dict:
 
 def run_step_time(settings: Settings, predictor_factory, log) -> dict:
     from models import get_dynamic_model
-    from ort_offload.blockwise import BlockStepCache
-    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.dynamic.blockwise import BlockStepCache
+    from ort_offload.dynamic.trainer import BlockwiseTrainer
     from pilot.prediction import NoPredictor
     import ort_offload
 
@@ -234,8 +234,8 @@ SIMULATED_PROFILES = ("V100-16GB-PCIe3", "H100")
 def _simulate(traces) -> dict:
     """Median over the measured steps of each trace replayed on the GPU profiles: simulated
     step time as % of the same step with unlimited memory (compute alone)."""
-    from graph_passes.device_profiles import get_profile
-    from graph_passes.trace_replay import replay
+    from graph_passes.cost.device_profiles import get_profile
+    from graph_passes.cost.trace_replay import replay
 
     out = {}
     for name in SIMULATED_PROFILES:
@@ -255,8 +255,8 @@ def _simulate(traces) -> dict:
 
 def run_mispredictions(settings: Settings, predictor_factory, log) -> dict:
     from models import get_dynamic_model
-    from ort_offload.blockwise import BlockStepCache
-    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.dynamic.blockwise import BlockStepCache
+    from ort_offload.dynamic.trainer import BlockwiseTrainer
     import ort_offload
 
     rows = []

@@ -1,7 +1,7 @@
 """Check the GPU device profiles and the time simulator against a real CUDA GPU.
 
-The shipped GPU profiles (:mod:`graph_passes.device_profiles`) are nominal datasheet numbers,
-and the simulator (:mod:`graph_passes.simulator`) assumes copies run beside compute at the
+The shipped GPU profiles (:mod:`graph_passes.cost.device_profiles`) are nominal datasheet numbers,
+and the simulator (:mod:`graph_passes.cost.simulator`) assumes copies run beside compute at the
 profile's link rates. This script measures both on a CUDA machine. It has two halves, because
 the CUDA machine has PyTorch but not our environment:
 
@@ -60,10 +60,10 @@ def make_traces(models=TRACE_MODELS, budgets=TRACE_BUDGETS, profile_names=TRACE_
 
     import ort_offload
     from benchmarks.swap import plan_for_profile
-    from graph_passes.device_profiles import get_profile
-    from graph_passes.simulator import simulate_time, unlimited_time
+    from graph_passes.cost.device_profiles import get_profile
+    from graph_passes.cost.simulator import simulate_time, unlimited_time
     from models import get_model
-    from ort_offload import optimizers
+    from ort_offload.export import optimizers
     from ort_offload.budget import parse_budget
 
     traces = []
@@ -106,13 +106,13 @@ DYNAMIC_TRACE_PROFILES = ("H200",)
 def make_dynamic_traces(profile_names=DYNAMIC_TRACE_PROFILES, budgets=TRACE_BUDGETS) -> list[dict[str, Any]]:
     """Block-wise training of var-BERT ``small`` (full depth) under each budget, once with the
     oracle's execution-block prefetch and pre-eviction and once on demand only; the last step's
-    event trace replayed on each profile (:mod:`graph_passes.trace_replay`)."""
+    event trace replayed on each profile (:mod:`graph_passes.cost.trace_replay`)."""
     import ort_offload
-    from graph_passes.device_profiles import get_profile
-    from graph_passes.trace_replay import replay as replay_trace
+    from graph_passes.cost.device_profiles import get_profile
+    from graph_passes.cost.trace_replay import replay as replay_trace
     from models import get_dynamic_model
-    from ort_offload.blockwise import BlockStepCache
-    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.dynamic.blockwise import BlockStepCache
+    from ort_offload.dynamic.trainer import BlockwiseTrainer
     from pilot.prediction import NoPredictor, OraclePredictor
 
     cache = BlockStepCache()
@@ -481,7 +481,7 @@ def print_device_result(result: dict[str, Any]) -> None:
 
 
 def get_profile_dict(name: str) -> dict:
-    from graph_passes.device_profiles import get_profile
+    from graph_passes.cost.device_profiles import get_profile
 
     return get_profile(name).to_dict()
 

@@ -6,7 +6,7 @@ The CPU benchmark measures our runtime's plans on a 2-core CPU, where recomputat
 next to the per-block overheads. This one asks the question of Mimose's paper on the hardware it
 targets: with per-layer recompute chosen per input size by Mimose's rule, is an epoch faster than
 with the plan made once for the longest size? It imports only torch, numpy, ``models/`` (pure
-torch) and :mod:`graph_passes.mimose` (the estimator, bucket rule and plan cache the runtime
+torch) and :mod:`graph_passes.planning.recompute.mimose` (the estimator, bucket rule and plan cache the runtime
 uses; numpy only), so it runs on the CUDA machine as it is::
 
     python3 benchmarks/gpu_mimose.py --out gpu_mimose.json                      # CUDA
@@ -147,7 +147,7 @@ class MimosePlanner:
     per plan-cache bucket, planned for the bucket's largest size."""
 
     def __init__(self, layers: int, budget: int, batch: int, fit_sizes: int) -> None:
-        from graph_passes.mimose import LayerMemoryEstimator, PlanCache
+        from graph_passes.planning.recompute.mimose import LayerMemoryEstimator, PlanCache
 
         self.estimator = LayerMemoryEstimator(layers, fit_sizes=fit_sizes)
         self.cache = PlanCache()
@@ -164,7 +164,7 @@ class MimosePlanner:
         return top
 
     def plan(self, size: int) -> frozenset[int]:
-        from graph_passes.mimose import plan_from_estimates
+        from graph_passes.planning.recompute.mimose import plan_from_estimates
 
         cached = self.cache.get(size)
         if cached is not None:
@@ -211,7 +211,7 @@ def measure(config: str, device_name: str, steps: int, seed: int, budget_margin:
 
 
 def _measure(torch, config, device, steps, seed, budget_margin, batch, fit_sizes, overrides, attention):
-    from graph_passes.mimose import plan_from_estimates
+    from graph_passes.planning.recompute.mimose import plan_from_estimates
     from models import get_model
 
     spec = get_model("bert", config, **overrides)

@@ -51,7 +51,7 @@ LR = 1e-3
 
 def export_graphs(directory: Path, config: str, models=MODELS) -> None:
     from models import get_model
-    from ort_offload.export import export_training_step
+    from ort_offload.export.training_step import export_training_step
 
     directory.mkdir(parents=True, exist_ok=True)
     for name in models:
@@ -87,9 +87,9 @@ class Case:
 def load_case(directory: Path, name: str, config: str, steps: int) -> Case:
     import onnx
 
-    from graph_passes.training_graph import TrainingGraph
+    from graph_passes.ir.training_graph import TrainingGraph
     from models import get_model
-    from ort_offload.export import initial_state
+    from ort_offload.export.training_step import initial_state
 
     spec = get_model(name, config)
     graph = TrainingGraph.from_model(onnx.load(directory / f"{name}-{config}.onnx"), name=name)
@@ -101,7 +101,7 @@ def torch_eager(case: Case, device: str) -> dict:
     """Plain torch training of the same model on the device: losses and step times."""
     import torch
 
-    from ort_offload import optimizers
+    from ort_offload.export import optimizers
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -136,12 +136,12 @@ def plain_session(case: Case, device: str) -> dict:
     """The whole step as one ORT session (CUDA EP or CPU EP), inputs bound on the device."""
     import onnxruntime as ort
 
-    from ort_offload import optimizers
-    from ort_offload.block_session import default_session_options
+    from ort_offload.export import optimizers
+    from ort_offload.runtime.block_session import default_session_options
 
     options = default_session_options(intra_op_threads=0, spinning=False)
     if device.startswith("cuda"):
-        from ort_offload.device_backend import cuda_provider_options
+        from ort_offload.runtime.device_backend import cuda_provider_options
 
         providers = [("CUDAExecutionProvider", cuda_provider_options(0, None)), "CPUExecutionProvider"]
         where = "cuda"
@@ -233,7 +233,7 @@ def run_model(case: Case, args, out_path: Path) -> None:
     rows: list = []
     digests = {}
     if args.device == "cuda":  # the CUDA context and shared arena before anything is measured
-        from ort_offload.device_backend import cuda_backend
+        from ort_offload.runtime.device_backend import cuda_backend
 
         try:
             cuda_backend(0)

@@ -12,7 +12,7 @@ idle pause after each) so machine noise hits all alike:
 - **static**: ``recompute_policy="static"``: the recompute plan made for the first (longest)
   batch serves every length (the Sublinear-style baseline Mimose compares against);
 - **input-aware**: ``recompute_policy="input_aware"``: per length bucket, a plan for that size
-  (``ort_offload.recompute_planning``; plans from the fitted estimator once it has its sizes),
+  (``ort_offload.runtime.recompute_planning``; plans from the fitted estimator once it has its sizes),
   starting from the segments' cheap units (selective recomputation);
 - with ``--whole-segments``, a fourth, **whole_segments**: input-aware with
   ``selective_recompute=False``, whole segments only, as Mimose's rule plans (what the
@@ -225,9 +225,9 @@ class _StepSimulator:
         self._seen: dict[tuple[str, tuple], dict[str, float]] = {}
 
     def __call__(self, row: str, trainer) -> dict[str, float]:
-        from graph_passes.cost_model import AnalyticalCostModel
-        from graph_passes.device_profiles import get_profile
-        from graph_passes.simulator import simulate_time
+        from graph_passes.cost.cost_model import AnalyticalCostModel
+        from graph_passes.cost.device_profiles import get_profile
+        from graph_passes.cost.simulator import simulate_time
 
         prepared = trainer.runner.last_prepared
         key = (row, prepared.signature)
@@ -292,7 +292,7 @@ def _sum_where_neither_planned(by_row: dict, row: str) -> float:
 
 def measure_plan_time(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
     """Plan time with a 12-layer model: the runtime's estimated plans, and the choosing alone."""
-    from graph_passes.mimose import plan_from_estimates
+    from graph_passes.planning.recompute.mimose import plan_from_estimates
     from models import get_model
 
     spec = get_model("bert", settings.plan_config)

@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.overhead [--quick] [--out DIR]``. What it measures, in one process:
 
-1. **Export time**: ``ort_offload.export.export_training_step`` of GPT into a fresh temporary
+1. **Export time**: ``ort_offload.export.training_step.export_training_step`` of GPT into a fresh temporary
    cache directory (a real export, cache miss), then the same call again (cache hit).
 2. **Step time, side by side**: training steps of the same exported graph, same initial state
    and same batch, run by
@@ -374,8 +374,8 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
 
     import ort_offload
     from models import get_model
-    from ort_offload import optimizers
-    from ort_offload.export import export_training_step, initial_state
+    from ort_offload.export import optimizers
+    from ort_offload.export.training_step import export_training_step, initial_state
 
     import onnxruntime
 

@@ -371,7 +371,7 @@ class TorchPeer:
 
     def __init__(self, settings: Settings, variant: str, n_inputs: int) -> None:
         from models import get_model
-        from ort_offload import optimizers
+        from ort_offload.export import optimizers
 
         self.spec = get_model(settings.model, settings.config)
         self.model = wrap_layers(self.spec.model, variant)
@@ -561,9 +561,9 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
 
     import ort_offload
     from models import get_model
-    from ort_offload import optimizers
+    from ort_offload.export import optimizers
     from ort_offload.errors import BudgetTooSmallError, OffloadError
-    from ort_offload.export import default_cache_dir, export_training_step
+    from ort_offload.export.training_step import default_cache_dir, export_training_step
     from ort_offload.trainer import resolve_passes
 
     onnxruntime.set_default_logger_severity(3)  # errors only

@@ -63,7 +63,7 @@ def _partition_comparison(family: str, config: str, samples: int) -> dict[str, A
     from dataclasses import replace
 
     from models.dynamic import get_dynamic_model
-    from ort_offload.pilot_support import pilot_architecture
+    from ort_offload.dynamic.pilot_support import pilot_architecture
     from pilot.partition import EVEN_SPLIT_KINDS, best_even_split, partition, simulate
     from pilot.paths import PathSpaceTooLargeError
 
@@ -107,7 +107,7 @@ def measure_pilot(*, pilot_path: str | Path | None = None, samples: int = DEFAUL
                   log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Measure the pilot (see the module docstring); returns the result document."""
     from models.dynamic import get_dynamic_model
-    from ort_offload.pilot_support import pilot_architecture
+    from ort_offload.dynamic.pilot_support import pilot_architecture
     from pilot.inference import DEFAULT_PILOT_PATH, Pilot
     path = Path(pilot_path) if pilot_path else DEFAULT_PILOT_PATH
     pilot = Pilot(path)

@@ -24,8 +24,8 @@ CNN ``small``; ``--quick``: their ``tiny`` configs), in one process:
 4. **Simulated GPUs**: the graph planned for the V100-16GB-PCIe3 and the H100 profile under the
    row's budget (the runtime's planning with ``planning_profile``, as ``ort-offload transform
    --device-profile`` does: block size and state placement chosen by simulated time on that
-   profile), replayed by :func:`graph_passes.simulator.simulate_time` (analytical roofline cost
-   model; the row's budget as the arena cap), against :func:`graph_passes.simulator.unlimited_time` of the unplanned program
+   profile), replayed by :func:`graph_passes.cost.simulator.simulate_time` (analytical roofline cost
+   model; the row's budget as the arena cap), against :func:`graph_passes.cost.simulator.unlimited_time` of the unplanned program
    (the same graph with unlimited memory: compute only, no copies). ``pct_of_unlimited`` =
    100 × unlimited / simulated step time (100 = swapping costs nothing). Target: V100 at 0.5x
    ≥ 90%.
@@ -103,8 +103,8 @@ def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int):
     ``ort-offload transform --device-profile`` writes): the runtime's planning, timed on that
     profile instead of this CPU."""
     import ort_offload
-    from graph_passes.shapes import check_inputs
-    from ort_offload.runtime import GraphRunner, Runtime
+    from graph_passes.ir.shapes import check_inputs
+    from ort_offload.runtime.runner import GraphRunner, Runtime
 
     device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile)
     runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches, passes=trainer.runner.passes)
@@ -118,7 +118,7 @@ def _schedule_of(program) -> list[int]:
 
 
 def _default_schedule(model) -> list[int]:
-    from graph_passes.program import order_dependent_last
+    from graph_passes.ir.program import order_dependent_last
 
     return order_dependent_last(model) or list(range(len(model.graph.node)))
 
@@ -126,8 +126,8 @@ def _default_schedule(model) -> list[int]:
 def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[str, float]]:
     """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget,
     replayed on it, vs the unplanned program's compute."""
-    from graph_passes.device_profiles import get_profile
-    from graph_passes.simulator import simulate_time, unlimited_time
+    from graph_passes.cost.device_profiles import get_profile
+    from graph_passes.cost.simulator import simulate_time, unlimited_time
 
     model = trainer.runner.model
     out = {}
@@ -150,7 +150,7 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[
             "blocks": len(prepared.program.blocks),
             "host_state_tensors": len(prepared.program.host_state),
             # Whether the plan runs the state updates inside the backward
-            # (graph_passes.schedule.updates_early) instead of the exported order.
+            # (graph_passes.planning.schedule.updates_early) instead of the exported order.
             # (None: a recompute rewrite, whose own order this does not know).
             "updates_early": (_schedule_of(prepared.program) != _default_schedule(model)
                               if prepared.model is None or prepared.model is model else None),
@@ -166,9 +166,9 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[
 def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
     import ort_offload
     from models import get_model
-    from ort_offload import optimizers
+    from ort_offload.export import optimizers
     from ort_offload.errors import BudgetTooSmallError
-    from ort_offload.export import export_training_step
+    from ort_offload.export.training_step import export_training_step
 
     started = time.perf_counter()
     spec = get_model(name, config)
@@ -272,7 +272,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
                 baseline_peak_bytes=baseline_peak,
                 peak_device_bytes=peak,
                 within_budget=peak <= budget_bytes,
-                simulated_peak_bytes=prepared.trace.peak_device_bytes,  # graph_passes.memory's replay
+                simulated_peak_bytes=prepared.trace.peak_device_bytes,  # graph_passes.ir.memory's replay
                 blocks=len(prepared.program.blocks),
                 base_blocks=len(prepared.base_program.blocks) if prepared.base_program is not None else None,
                 passes=report["passes"],
@@ -373,7 +373,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
             "optimizer": "adamw",
             "device": "cpu",
             "profiles": list(PROFILES),
-            "cost_model": "analytical roofline (graph_passes.cost_model.AnalyticalCostModel)",
+            "cost_model": "analytical roofline (graph_passes.cost.cost_model.AnalyticalCostModel)",
             "ratio": "row median step / median of the reference (budget None) steps interleaved with the row's",
             "pct_of_unlimited": "100 * unlimited_time(unplanned program) / simulate_time(planned program, budget).step_time_s",
             "torch_threads": torch.get_num_threads(),

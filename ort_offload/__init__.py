@@ -49,17 +49,17 @@ __all__ = [
 # The trainer, device and exporter load lazily: graph_passes imports ort_offload.errors, and
 # importing the package must not pull the runtime (and torch) back in.
 _LAZY = {
-    "OffloadDevice": "ort_offload.device",
+    "OffloadDevice": "ort_offload.runtime.offload_device",
     "set_offload_device": "ort_offload.device",
-    "export_forward": "ort_offload.export",
-    "export_training_step": "ort_offload.export",
+    "export_forward": "ort_offload.export.training_step",
+    "export_training_step": "ort_offload.export.training_step",
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.trainer",
-    "load_training_artifact": "ort_offload.ort_artifacts",
-    "BlockwiseTrainer": "ort_offload.dynamic_trainer",
-    "wrap_blocks": "ort_offload.blockwise",
-    "unwrap_blocks": "ort_offload.blockwise",
-    "export_block_step": "ort_offload.blockwise",
+    "load_training_artifact": "ort_offload.export.ort_artifacts",
+    "BlockwiseTrainer": "ort_offload.dynamic.trainer",
+    "wrap_blocks": "ort_offload.dynamic.blockwise",
+    "unwrap_blocks": "ort_offload.dynamic.blockwise",
+    "export_block_step": "ort_offload.dynamic.blockwise",
 }
 __all__ += sorted(_LAZY)
 

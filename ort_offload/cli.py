@@ -6,7 +6,7 @@ model's training step as ONNX; ``run`` executes any training-step ONNX file unde
 ``zoo`` runs the model-zoo regression (exit code 1 when a model regresses); ``pilot train``
 trains the DyNN-Offload pilot on the dynamic zoo (:mod:`pilot.train`). ``run``,
 ``transform`` and ``inspect`` also take the ``training_model.onnx`` of ORT's ``generate_artifacts``
-(:mod:`ort_offload.ort_artifacts`; its kernels need ``.venv-compat``).
+(:mod:`ort_offload.export.ort_artifacts`; its kernels need ``.venv-compat``).
 Every user error prints one line and exits with code 2; nothing is left half-written.
 """
 
@@ -198,10 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _route_onnxruntime_log() -> None:
-    """ONNX Runtime's default logger at the severity our verbosity asks for (ort_offload.ort_logging)."""
+    """ONNX Runtime's default logger at the severity our verbosity asks for (graph_passes.ort_logging)."""
     import onnxruntime as ort
 
-    from ort_offload.ort_logging import ort_log_severity
+    from graph_passes.ort_logging import ort_log_severity
 
     ort.set_default_logger_severity(ort_log_severity())
 
@@ -296,19 +296,19 @@ def _batch(spec, args, step: int, seq: int | None = None):
 
 
 def _profile_names() -> list[str]:
-    from graph_passes.device_profiles import profile_names
+    from graph_passes.cost.device_profiles import profile_names
 
     return profile_names()
 
 
 def _arena_policies() -> list[str]:
-    from ort_offload.arena import ARENA_POLICIES
+    from ort_offload.runtime.arena import ARENA_POLICIES
 
     return list(ARENA_POLICIES)
 
 
 def _recompute_policies() -> list[str]:
-    from ort_offload.device import RECOMPUTE_POLICIES
+    from ort_offload.runtime.offload_device import RECOMPUTE_POLICIES
 
     return list(RECOMPUTE_POLICIES)
 
@@ -356,7 +356,7 @@ def _is_dynamic_name(name: str) -> bool:
 def _train_dynamic(args, device) -> int:
     """Train a dynamic zoo model block-wise under the device's budget."""
     from models import get_dynamic_model
-    from ort_offload.dynamic_trainer import BlockwiseTrainer
+    from ort_offload.dynamic.trainer import BlockwiseTrainer
     from ort_offload.errors import InputMismatchError, OffloadError, UnknownModelError
     from pilot.prediction import NoPredictor, OraclePredictor, WrongPredictor
 
@@ -371,7 +371,7 @@ def _train_dynamic(args, device) -> int:
     except ValueError as e:
         raise UnknownModelError(str(e)) from e
     if args.predictor in (None, "pilot"):
-        from ort_offload.pilot_support import make_pilot
+        from ort_offload.dynamic.pilot_support import make_pilot
         from pilot.paths import PathSpaceTooLargeError
 
         try:
@@ -501,9 +501,9 @@ def _finish(trainer, args, extra: dict) -> int:
 
 
 def _export(args) -> int:
-    from ort_offload.export import export_training_step
+    from ort_offload.export.training_step import export_training_step
     from ort_offload.files import sweep_stale_temps
-    from ort_offload.optimizers import make_optimizer
+    from ort_offload.export.optimizers import make_optimizer
 
     spec = _zoo_spec(args)
     inputs, targets = _batch(spec, args, 0)
@@ -527,9 +527,9 @@ def _load_graph_and_state(path, *, training_step: bool = True):
     """The graph in ``path`` and its parameter values where the file comes with them (the
     checkpoint beside an ORT training artifact), else None. ``training_step``: refuse a graph
     that trains nothing (no state, no gradients: an inference or eval graph)."""
-    from graph_passes.training_graph import TrainingGraph
-    from graph_passes.validate import check_supported_ops, check_training_step, load_model
-    from ort_offload.ort_artifacts import is_artifact_graph, load_training_artifact
+    from graph_passes.ir.training_graph import TrainingGraph
+    from graph_passes.ir.validate import check_supported_ops, check_training_step, load_model
+    from ort_offload.export.ort_artifacts import is_artifact_graph, load_training_artifact
 
     model = load_model(path)
     if is_artifact_graph(model):  # ORT's generate_artifacts: com.microsoft gradient ops
@@ -543,7 +543,7 @@ def _load_graph_and_state(path, *, training_step: bool = True):
 
 def _transform(args) -> int:
     from ort_offload.files import sweep_stale_temps
-    from ort_offload.graph_inputs import parse_input_shapes
+    from ort_offload.export.graph_inputs import parse_input_shapes
     from ort_offload.report import plot_timeline, write_json
     from ort_offload.trainer import resolve_passes
     from ort_offload.transform import transform
@@ -568,7 +568,7 @@ def _transform(args) -> int:
 
 
 def _inspect(args) -> int:
-    from ort_offload.graph_inputs import parse_input_shapes
+    from ort_offload.export.graph_inputs import parse_input_shapes
     from ort_offload.report import to_json, write_json
     from ort_offload.transform import inspect_graph
 
@@ -609,7 +609,7 @@ def _pilot_train(args) -> int:
         raise OffloadError(f"unknown families {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     if not set(chosen) - set(holdout):
         raise OffloadError("every family is held out: nothing to train on")
-    from ort_offload.pilot_support import pilot_architecture
+    from ort_offload.dynamic.pilot_support import pilot_architecture
 
     options = {k: v for k, v in (("samples", args.samples), ("test_samples", args.test_samples),
                                  ("steps", args.steps), ("hidden", args.hidden)) if v is not None}
@@ -680,7 +680,7 @@ def _zoo_budgets(args) -> tuple[str, ...]:
 
 
 def _run(args) -> int:
-    from ort_offload.graph_inputs import parse_input_shapes, random_batch, random_state
+    from ort_offload.export.graph_inputs import parse_input_shapes, random_batch, random_state
     from ort_offload.trainer import OrtTrainer, resolve_passes
 
     device = _device(args)

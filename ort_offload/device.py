@@ -1,80 +1,28 @@
 """Offload devices: where a trainer's tensors live and under which budget.
 
 ``set_offload_device("cpu", budget="64MiB")`` returns an :class:`OffloadDevice`. The CPU device
-is a real, budget-capped :class:`~ort_offload.arena.DeviceArena` plus a
-:class:`~ort_offload.host_store.HostStore`; blocks run on ONNX Runtime's CPU execution provider.
+is a real, budget-capped :class:`~ort_offload.runtime.arena.DeviceArena` plus a
+:class:`~ort_offload.runtime.host_store.HostStore`; blocks run on ONNX Runtime's CPU execution provider.
 ``set_offload_device("cuda", device_id=0)`` (or ``"cuda:1"``) puts the arena in GPU memory and
-runs blocks on ONNX Runtime's CUDA execution provider (:mod:`ort_offload.device_backend`).
+runs blocks on ONNX Runtime's CUDA execution provider (:mod:`ort_offload.runtime.device_backend`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from graph_passes.device_profiles import profile_names
-from graph_passes.memory import DEFAULT_ALIGNMENT
-from ort_offload.arena import ARENA_POLICIES
+from graph_passes.cost.device_profiles import profile_names
+from graph_passes.ir.allocator import DEFAULT_ALIGNMENT
+from ort_offload.runtime.arena import ARENA_POLICIES
 from ort_offload.budget import Budget, parse_budget
 from ort_offload.errors import InvalidArgumentError, UnknownDeviceError
+from ort_offload.runtime.offload_device import (
+    CUDA_ALIGNMENT,
+    RECOMPUTE_POLICIES,
+    SUPPORTED_DEVICES,
+    OffloadDevice,
+)
 from ort_offload.validation import check_count
 
-SUPPORTED_DEVICES = ("cpu", "cuda")
-RECOMPUTE_POLICIES = ("input_aware", "static")
-# cudaMalloc's alignment: every tensor starts where a fresh allocation would, so cuBLAS and
-# cuDNN choose the same kernels in any block as in the unplanned run.
-CUDA_ALIGNMENT = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadDevice:
-    """A device kind plus the budget and runtime knobs every trainer on it uses.
-
-    ``budget=None`` means unlimited. ``max_block_nodes`` fixes how many nodes one execution
-    block (one ONNX Runtime session) holds; ``None`` lets the runtime pick the largest blocks
-    that fit the budget (whole graph first: fastest; smaller blocks free memory sooner).
-    """
-
-    kind: str = "cpu"
-    device_id: int = 0  # which GPU, for kind "cuda"
-    budget: Budget | None = None
-    max_block_nodes: int | None = None
-    alignment: int = DEFAULT_ALIGNMENT
-    intra_op_threads: int = 0
-    # Test mode: skip planned swap-ins so the fault handler must fetch every one of them.
-    drop_prefetches: bool = False
-    # Device profile swap plans are timed on (graph_passes.device_profiles); None: this device.
-    # Naming another device plans for it, e.g. `ort-offload transform --device-profile V100-16GB-PCIe3`.
-    planning_profile: str | None = None
-    # Where the arena places tensors: "best_fit" or "double_buffer" (ort_offload.arena).
-    arena_policy: str = "best_fit"
-    # Swap-outs copy on a background engine and free their bytes when done (True), or copy
-    # before the program goes on (False). None: asynchronous except on the CPU device, where
-    # the copy thread would take the cores the blocks compute on.
-    async_swap_outs: bool | None = None
-    # How recompute plans follow the input size (ort_offload.recompute_planning): "input_aware"
-    # (Mimose: a plan per size bucket) or "static" (the first plan serves every size it fits).
-    recompute_policy: str = "input_aware"
-    # Recompute plans start from each segment's cheap saved values (GELU and layer-norm
-    # outputs, copies) before whole segments (graph_passes.selective_recompute); False: whole
-    # segments only, as Mimose plans.
-    selective_recompute: bool = True
-    # CUDA: every block session gives its ORT arena's free memory back to the device after
-    # each run (ORT's arena shrinkage), so the device holds the running block's workspace
-    # rather than every cached session's high-water mark; each block then pays cudaFree and
-    # cudaMalloc for its workspace.
-    release_block_workspace: bool = False
-
-    @property
-    def swap_outs_are_async(self) -> bool:
-        return self.async_swap_outs if self.async_swap_outs is not None else self.kind != "cpu"
-
-    @property
-    def name(self) -> str:
-        """``cpu`` or ``cuda:N``."""
-        return f"cuda:{self.device_id}" if self.kind == "cuda" else self.kind
-
-    def describe(self) -> str:
-        return f"{self.name} (budget {self.budget if self.budget is not None else 'unlimited'})"
+__all__ = ["OffloadDevice", "set_offload_device"]
 
 
 def set_offload_device(
@@ -100,7 +48,7 @@ def set_offload_device(
     name = str(kind).strip().lower()
     index = 0
     if name.startswith("cuda"):
-        from ort_offload.device_backend import check_cuda, parse_cuda_kind
+        from ort_offload.runtime.device_backend import check_cuda, parse_cuda_kind
 
         index = parse_cuda_kind(name, device_id)
         check_cuda(index)

@@ -6,18 +6,32 @@ says what went wrong and what to do. The CLI maps any ``OffloadError`` to exit c
 
 from __future__ import annotations
 
+from graph_passes.errors import (
+    OffloadError,
+    BudgetTooSmallError,
+    ModelLoadError,
+    UnsupportedGraphError,
+    InputMismatchError,
+    ArenaStateError,
+)
 
-class OffloadError(Exception):
-    """Base class of every error ort_offload raises on bad input or an impossible request."""
-
-
-class BudgetTooSmallError(OffloadError):
-    """No plan fits the budget; ``needed_bytes`` is the smallest budget that would."""
-
-    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int) -> None:
-        super().__init__(message)
-        self.needed_bytes = int(needed_bytes)
-        self.budget_bytes = int(budget_bytes)
+__all__ = [
+    "ArenaStateError",
+    "BudgetParseError",
+    "BudgetTooSmallError",
+    "CheckpointError",
+    "ExecutionError",
+    "ExportError",
+    "InputMismatchError",
+    "InvalidArgumentError",
+    "ModelLoadError",
+    "NonFiniteError",
+    "OffloadError",
+    "OutputPathError",
+    "UnknownDeviceError",
+    "UnknownModelError",
+    "UnsupportedGraphError",
+]
 
 
 class BudgetParseError(OffloadError, ValueError):
@@ -32,24 +46,8 @@ class UnknownModelError(OffloadError, ValueError):
     """A model name that is not in the zoo registry."""
 
 
-class ModelLoadError(OffloadError):
-    """A file that is missing, not ONNX, or not a training-step graph ort_offload can run."""
-
-
-class UnsupportedGraphError(OffloadError):
-    """A graph that uses an op or construct the runtime cannot execute."""
-
-
-class InputMismatchError(OffloadError, ValueError):
-    """Inputs whose names, dtypes or shapes do not match what the graph expects."""
-
-
 class ExportError(OffloadError):
     """torch could not export the model as a training-step graph."""
-
-
-class ArenaStateError(OffloadError):
-    """The arena was asked about a tensor it does not hold (a runtime bug, not a budget problem)."""
 
 
 class ExecutionError(OffloadError):

@@ -126,7 +126,7 @@ def plot_timeline(
 ) -> Path:
     """PNG of device bytes over one step: baseline and planned timelines and the budget line.
 
-    ``baseline``/``planned`` are :class:`graph_passes.memory.MemoryTrace` objects; each point is
+    ``baseline``/``planned`` are :class:`graph_passes.ir.memory.MemoryTrace` objects; each point is
     arena bytes in use plus the workspace of the block running then.
     """
     import matplotlib

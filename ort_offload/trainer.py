@@ -19,17 +19,17 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from graph_passes.shapes import check_inputs
-from graph_passes.training_graph import Role, TrainingGraph
-from ort_offload import optimizers
+from graph_passes.ir.shapes import check_inputs
+from graph_passes.ir.training_graph import Role, TrainingGraph
+from ort_offload.export import optimizers
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
 from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
-from ort_offload.device import OffloadDevice
+from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError
-from ort_offload.export import export_forward, export_training_step, initial_state
-from ort_offload.graph_inputs import check_batch, gather_index_limits
+from ort_offload.export.training_step import export_forward, export_training_step, initial_state
+from ort_offload.export.graph_inputs import check_batch, gather_index_limits
 from ort_offload.report import REPORT_KEYS
-from ort_offload.runtime import GraphRunner, Runtime
+from ort_offload.runtime.runner import GraphRunner, Runtime
 from ort_offload.validation import check_learning_rate
 
 logger = logging.getLogger(__name__)
@@ -357,14 +357,14 @@ def create_ort_trainer(
 
     ``example_inputs`` are the model's inputs and ``example_targets`` the extra arguments of
     ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward must return the
-    loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
+    loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.export.optimizers`;
     ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
     ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
 
     A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
-    :class:`~ort_offload.dynamic_trainer.BlockwiseTrainer` instead: its Python control flow runs
+    :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer` instead: its Python control flow runs
     as written and its blocks run block-wise under the budget; ``example_inputs`` then only
     gives the number of inputs (default 1), and ``loss_fn`` defaults to the model's output.
     """
@@ -372,7 +372,7 @@ def create_ort_trainer(
         raise TypeError("device must come from ort_offload.set_offload_device(...)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from ort_offload.dynamic_trainer import BlockwiseTrainer, is_dynamic_model
+    from ort_offload.dynamic.trainer import BlockwiseTrainer, is_dynamic_model
 
     if is_dynamic_model(model):
         if device.kind != "cpu":

@@ -1,7 +1,7 @@
 """Offline transformation of a training-step ONNX file: plan for a budget and write the plan
 into the graph (``ort-offload transform``), and a summary of a graph (``ort-offload inspect``).
 
-Planning is the runtime's own (:class:`ort_offload.runtime.GraphRunner.prepare`), so the file
+Planning is the runtime's own (:class:`ort_offload.runtime.runner.GraphRunner.prepare`), so the file
 written here holds exactly the swaps a training run under the same budget would make.
 """
 
@@ -14,17 +14,17 @@ from typing import Any, Mapping
 import onnx_ir as ir
 
 from custom_ops.registry import DOMAIN
-from graph_passes.shapes import check_inputs
-from graph_passes.recompute_pass import PASS_KEY as PROVENANCE_KEY
-from graph_passes.recompute_pass import PASS_NAME as RECOMPUTE_PASS
-from graph_passes.swap_pass import SwapPass
-from graph_passes.swap_planner import placed_plan
-from graph_passes.program import SwapOut
-from graph_passes.training_graph import Role, TrainingGraph, role_counts
+from graph_passes.ir.shapes import check_inputs
+from graph_passes.planning.recompute.graph_pass import PASS_KEY as PROVENANCE_KEY
+from graph_passes.planning.recompute.graph_pass import PASS_NAME as RECOMPUTE_PASS
+from graph_passes.planning.swap.graph_pass import SwapPass
+from graph_passes.planning.swap.planner import placed_plan
+from graph_passes.ir.program import SwapOut
+from graph_passes.ir.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
-from ort_offload.device import OffloadDevice
-from ort_offload.graph_inputs import random_batch, random_state
-from ort_offload.runtime import GraphRunner, PreparedStep, Runtime
+from ort_offload.runtime.offload_device import OffloadDevice
+from ort_offload.export.graph_inputs import random_batch, random_state
+from ort_offload.runtime.runner import GraphRunner, PreparedStep, Runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
 
 def inspect_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]] | None) -> dict:
     """Roles, sizes, op mix and (with concrete shapes) the unplanned peak and largest ops."""
-    from graph_passes.shapes import declared_inputs
+    from graph_passes.ir.shapes import declared_inputs
 
     declared = declared_inputs(graph.model)
     summary: dict[str, Any] = {

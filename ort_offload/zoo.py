@@ -33,7 +33,7 @@ import onnx
 
 from ort_offload.budget import format_bytes
 from ort_offload.errors import BudgetTooSmallError, OffloadError
-from ort_offload.ort_logging import ort_log_severity
+from graph_passes.ort_logging import ort_log_severity
 from ort_offload.report import atomic_write_text, json_safe
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,8 @@ def _numpy_feeds(names: Sequence[str], tensors: Iterable) -> dict[str, np.ndarra
 def _prepared(module, *, loss_fn, make_batch: Callable[[int], tuple], input_names, target_names,
               dynamic_axes=None, name: str, steps: int) -> PreparedCase:
     """Export ``module``'s training step (AdamW) and draw ``steps`` batches (seeds 0, 1, ...)."""
-    from ort_offload import optimizers
-    from ort_offload.export import export_training_step, initial_state
+    from ort_offload.export import optimizers
+    from ort_offload.export.training_step import export_training_step, initial_state
 
     optimizer = optimizers.make_optimizer("adamw")
     inputs, targets = make_batch(0)

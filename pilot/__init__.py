@@ -17,7 +17,7 @@ Modules, one responsibility each:
 - :mod:`pilot.train`: data generation, training with held-out families, evaluation.
 - :mod:`pilot.inference`: :class:`Pilot`, the ONNX Runtime predictor.
 
-This package never imports ``ort_offload``; ``ort_offload.pilot_support`` exports the block
+This package never imports ``ort_offload``; ``ort_offload.dynamic.pilot_support`` exports the block
 graphs and hands them in (``make_pilot(spec)`` gives a ready :class:`Pilot`).
 """
 

@@ -5,7 +5,7 @@ Owns :class:`BlockGraph` (what a caller hands in per block: its forward ONNX gra
 BlockProfile` (per-block op signatures and byte counts), :func:`profile_block`,
 :func:`architecture_feature_matrix`, :func:`afm_summary`, :func:`network_type_one_hot`,
 :func:`sample_features` and :func:`feature_vector`. This package never imports ``ort_offload``:
-the caller exports the block graphs (``ort_offload.pilot_support``) and passes them in.
+the caller exports the block graphs (``ort_offload.dynamic.pilot_support``) and passes them in.
 
 AFM. One row per op of every block, blocks in ``model.blocks()`` order (so every branch of the
 Python control flow is present, as in the paper), each row the op's 9-element signature
@@ -115,7 +115,7 @@ _ELEMENT_BYTES = {
 class BlockGraph:
     """A block's forward graph as the caller exported it, with what the profile needs.
 
-    ``forward``: ONNX model of the block's forward part (``ort_offload.blockwise.split_step``);
+    ``forward``: ONNX model of the block's forward part (``ort_offload.dynamic.blockwise.split_step``);
     ``saved``: names of its outputs that are saved activations (kept for the backward);
     ``param_bytes``: bytes of the block's parameters and buffers."""
 

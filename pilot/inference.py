@@ -9,7 +9,7 @@ and :class:`~pilot.mapping.PathMapper`.
 Use::
 
     pilot = Pilot()                       # or Pilot(path_to_onnx)
-    pilot.attach(model, architecture)     # once per model (ort_offload.pilot_support builds it)
+    pilot.attach(model, architecture)     # once per model (ort_offload.dynamic.pilot_support builds it)
     prediction = pilot.predict(model, (ids,))   # PathPrediction, inference_us / mapping_us set
 """
 
@@ -93,7 +93,7 @@ class Pilot:
             return self._attached[model]
         except KeyError:
             raise KeyError(f"{type(model).__name__} is not attached to this pilot; call Pilot.attach(model, "
-                           "architecture) first (ort_offload.pilot_support.make_pilot does both)") from None
+                           "architecture) first (ort_offload.dynamic.pilot_support.make_pilot does both)") from None
 
     def run(self, features: np.ndarray, one_hot: np.ndarray) -> np.ndarray:
         """Raw output (block units) for prebuilt ``features`` [F] and ``one_hot`` [3]; the

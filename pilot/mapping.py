@@ -53,7 +53,7 @@ def output_size() -> int:
 
 def block_unit_key(raw: np.ndarray) -> bytes:
     """``raw`` (the pilot's output, block units) rounded to whole block units, as bytes: what the
-    misprediction cache keys on beside the predicted path (``ort_offload.misprediction_cache``)."""
+    misprediction cache keys on beside the predicted path (``ort_offload.dynamic.misprediction_cache``)."""
     return np.rint(raw).astype(np.int32).tobytes()
 
 

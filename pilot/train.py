@@ -3,7 +3,7 @@
 Owns :class:`Variant`, :data:`TRAIN_VARIANTS`, :data:`DEFAULT_HOLDOUT`, :class:`Dataset`,
 :func:`make_dataset`, :func:`fit`, :func:`evaluate` and :func:`train_pilot` (what
 ``ort-offload pilot train`` runs). The caller passes an ``architecture_of(spec)`` callable that
-exports a model's block graphs and traces it (``ort_offload.pilot_support``): this package
+exports a model's block graphs and traces it (``ort_offload.dynamic.pilot_support``): this package
 never imports the runtime.
 
 Data. Each sample is one ``make_batch(batch=1, seed=...)`` of a model; its label is the

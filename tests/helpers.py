@@ -92,8 +92,8 @@ def to_torch(arrays):
 def step_graph_and_feeds(name: str, config: str = "tiny"):
     """A zoo model's exported step graph, values for all of its inputs (initial state, one
     batch) and the tensor infos for that signature: for running the graph in stock ORT."""
-    from graph_passes import shapes
-    from ort_offload.export import initial_state
+    from graph_passes.ir import shapes
+    from ort_offload.export.training_step import initial_state
 
     graph = train_ort(name, optimizer="adamw", steps=1, config=config).trainer.graph
     (inputs, targets), = batches(name, 1, config=config)

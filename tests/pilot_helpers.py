@@ -11,7 +11,7 @@ FAMILIES = ("var-bert", "fixed-bert", "moe", "tree-lstm", "var-lstm", "fixed-lst
 @lru_cache(maxsize=None)
 def spec_and_architecture(family: str):
     from models.dynamic import get_dynamic_model
-    from ort_offload.pilot_support import pilot_architecture
+    from ort_offload.dynamic.pilot_support import pilot_architecture
 
     spec = get_dynamic_model(family, "tiny")
     return spec, pilot_architecture(spec, trace_samples=4)
@@ -19,7 +19,7 @@ def spec_and_architecture(family: str):
 
 @lru_cache(maxsize=None)
 def block_graphs(family: str):
-    from ort_offload.pilot_support import block_graphs as export
+    from ort_offload.dynamic.pilot_support import block_graphs as export
 
     spec, _ = spec_and_architecture(family)
     return export(spec)

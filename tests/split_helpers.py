@@ -12,9 +12,9 @@ import onnx.numpy_helper
 import onnx_ir as ir
 import onnxruntime as ort
 
-from graph_passes.shapes import TensorInfo, infer_tensor_infos
-from graph_passes.split_pass import SplitPass, SplitPlan, SplitRun
-from graph_passes.split_rules import CONCAT, NodeInfo, SplitAxis, constant_values, split_options
+from graph_passes.ir.shapes import TensorInfo, infer_tensor_infos
+from graph_passes.planning.split.graph_pass import SplitPass, SplitPlan, SplitRun
+from graph_passes.planning.split.rules import CONCAT, NodeInfo, SplitAxis, constant_values, split_options
 
 OPSET = 20
 IR_VERSION = 10  # what onnxruntime 1.31 loads

@@ -106,7 +106,7 @@ def artifacts(tmp_path_factory):
     import onnxruntime
     import torch
 
-    from ort_offload.ort_artifacts import generate_training_artifacts
+    from ort_offload.export.ort_artifacts import generate_training_artifacts
 
     onnxruntime.set_default_logger_severity(3)
     MLP, TinyGPT = _torch_models()

@@ -11,12 +11,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from graph_passes.training_graph import Role, TrainingGraph
+from graph_passes.ir.training_graph import Role, TrainingGraph
 from ort_offload import set_offload_device
-from ort_offload.block_session import default_session_options
+from ort_offload.runtime.block_session import default_session_options
 from ort_offload.cli import main
 from ort_offload.errors import ModelLoadError, UnsupportedGraphError
-from ort_offload.ort_artifacts import (
+from ort_offload.export.ort_artifacts import (
     ACCUMULATION_BUFFER_SUFFIX, LAZY_RESET_INPUT, load_training_artifact, training_graph_from_artifact,
 )
 from ort_offload.trainer import OrtTrainer
@@ -27,7 +27,7 @@ STEPS = 2
 
 def _batches(graph: TrainingGraph, shapes, classes: int, *, steps: int = STEPS) -> list[dict[str, np.ndarray]]:
     """Real batches: float features, integers (token ids, labels) below ``classes``."""
-    from graph_passes.shapes import declared_inputs
+    from graph_passes.ir.shapes import declared_inputs
 
     rng = np.random.default_rng(1)
     declared = declared_inputs(graph.model)

@@ -1,0 +1,248 @@
+"""The best-fit allocator shared by the runtime's arena and the analyses.
+
+:class:`BestFitAllocator` is the arena's bookkeeping without a buffer: aligned best-fit
+placement in one address range, coalescing frees, a high-water mark of the highest address in
+use. The runtime's ``DeviceArena`` places real tensors with it and
+:func:`graph_passes.ir.memory.simulate_program` replays programs through it, so the analysed and
+the measured peaks come from the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from graph_passes.errors import ArenaStateError
+
+DEFAULT_ALIGNMENT = 64
+
+
+def align_up(nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Bytes ``nbytes`` occupies in the arena (at least one alignment unit)."""
+    return max(alignment, (int(nbytes) + alignment - 1) // alignment * alignment)
+
+
+class OutOfArenaMemory(Exception):
+    """No free range is large enough (internal: the runtime turns it into a budget error)."""
+
+    def __init__(self, name: str, nbytes: int, in_use: int, capacity: int | None) -> None:
+        super().__init__(f"cannot place {name!r} ({nbytes} bytes): {in_use} of {capacity} bytes in use")
+        self.name, self.nbytes, self.in_use, self.capacity = name, nbytes, in_use, capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    offset: int
+    nbytes: int  # aligned size
+
+
+class BestFitAllocator:
+    """Aligned best-fit placement in ``[0, capacity)``; ``capacity=None`` means unbounded."""
+
+    def __init__(self, capacity: int | None = None, *, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        self.capacity = capacity
+        self.alignment = alignment
+        self._free: list[tuple[int, int]] = []  # sorted (offset, size) holes below self._top
+        self._top = 0  # end of the highest allocation ever extended to (current frontier)
+        self._placements: dict[str, Placement] = {}
+        self.in_use = 0
+        self.high_water = 0  # highest address ever in use
+        self.peak_in_use = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._placements
+
+    def placement(self, name: str) -> Placement:
+        return self._placed(name)
+
+    def _placed(self, name: str) -> Placement:
+        """``name``'s placement; a name never placed (or already freed) is an ArenaStateError."""
+        try:
+            return self._placements[name]
+        except KeyError:
+            raise ArenaStateError(
+                f"the arena holds no tensor {name!r} ({len(self._placements)} placed); "
+                "this is a runtime bug: report it with the model and budget"
+            ) from None
+
+    def names(self) -> list[str]:
+        return list(self._placements)
+
+    def allocate(self, name: str, nbytes: int, *, region: tuple[int, int] | None = None) -> Placement:
+        """Place ``name``: best fit among the holes, else at the frontier. With ``region``
+        (``[lo, hi)``), a place inside it is preferred (best fit among the holes and the
+        frontier space there); only if none fits does the allocation go anywhere."""
+        if name in self._placements:
+            raise ValueError(f"{name!r} is already allocated")
+        size = align_up(nbytes, self.alignment)
+        if region is not None:
+            offset = self._fit_in(size, *region)
+            if offset is not None:
+                return self._place(name, offset, size)
+        best = None
+        for i, (offset, hole) in enumerate(self._free):
+            if hole >= size and (best is None or hole < self._free[best][1]):
+                best = i
+        if best is not None:
+            offset, hole = self._free.pop(best)
+            if hole > size:
+                bisect.insort(self._free, (offset + size, hole - size))
+        else:
+            # Extend at the frontier, absorbing a trailing hole that touches it.
+            offset = self._top
+            if self._free and sum(self._free[-1]) == self._top:
+                offset = self._free.pop()[0]
+            if self.capacity is not None and offset + size > self.capacity:
+                if offset != self._top:  # put the trailing hole back
+                    bisect.insort(self._free, (offset, self._top - offset))
+                raise OutOfArenaMemory(name, size, self.in_use, self.capacity)
+            self._top = offset + size
+        return self._record(name, offset, size)
+
+    def _record(self, name: str, offset: int, size: int) -> Placement:
+        placement = Placement(offset, size)
+        self._placements[name] = placement
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        self.high_water = max(self.high_water, offset + size)
+        return placement
+
+    def _fit_in(self, size: int, lo: int, hi: int) -> int | None:
+        """The offset of the tightest free span of at least ``size`` bytes inside
+        ``[lo, hi)`` (holes, then the space above the frontier), or None."""
+        lo = align_up(max(lo, 0), self.alignment)
+        if self.capacity is not None:
+            hi = min(hi, self.capacity)
+        best = None  # (usable span, offset)
+        for offset, hole in self._free:
+            start, end = max(offset, lo), min(offset + hole, hi)
+            if end - start >= size and (best is None or end - start < best[0]):
+                best = (end - start, start)
+        if best is None:
+            start = max(self._top, lo)
+            if start + size <= hi:
+                best = (hi - start, start)
+        return None if best is None else best[1]
+
+    def _place(self, name: str, offset: int, size: int) -> Placement:
+        """Take ``[offset, offset + size)``, free space found by :meth:`_fit_in`: inside a
+        hole, or at/above the frontier."""
+        end = offset + size
+        if offset >= self._top:
+            if offset > self._top:  # the gap below the tensor becomes (or extends) a hole
+                if self._free and sum(self._free[-1]) == self._top:
+                    start = self._free.pop()[0]
+                else:
+                    start = self._top
+                self._free.append((start, offset - start))  # above every hole: stays sorted
+            self._top = end
+        else:  # inside a hole: split it around the tensor
+            i = next(k for k, (o, h) in enumerate(self._free) if o <= offset and end <= o + h)
+            o, h = self._free.pop(i)
+            if offset > o:
+                bisect.insort(self._free, (o, offset - o))
+            if o + h > end:
+                bisect.insort(self._free, (end, o + h - end))
+        return self._record(name, offset, size)
+
+    def free(self, name: str) -> None:
+        placement = self._placed(name)
+        del self._placements[name]
+        self.in_use -= placement.nbytes
+        start, end = placement.offset, placement.offset + placement.nbytes
+        i = bisect.bisect_left(self._free, (start, 0))
+        if i > 0 and sum(self._free[i - 1]) == start:  # merge with the hole before
+            i -= 1
+            start = self._free.pop(i)[0]
+        if i < len(self._free) and self._free[i][0] == end:  # and the hole after
+            end = sum(self._free.pop(i))
+        if end == self._top:
+            self._top = start  # the frontier retreats; no hole kept above it
+        else:
+            self._free.insert(i, (start, end - start))
+
+    def partition(self, name: str, pieces) -> None:
+        """``name``'s bytes become consecutive tensors ``pieces`` ((name, bytes) in order; every
+        size but the last a multiple of the alignment), each freed on its own later (a split
+        view). Nothing moves and no byte is added."""
+        placement = self._placed(name)
+        sizes = [align_up(nbytes, self.alignment) for _, nbytes in pieces]
+        if sum(sizes) != placement.nbytes or any(nbytes % self.alignment for _, nbytes in pieces[:-1]):
+            raise ValueError(f"pieces of {sum(sizes)} aligned bytes do not tile {name!r} ({placement.nbytes})")
+        del self._placements[name]
+        offset = placement.offset
+        for (piece, _), size in zip(pieces, sizes):
+            if piece in self._placements:
+                raise ValueError(f"{piece!r} is already allocated")
+            self._placements[piece] = Placement(offset, size)
+            offset += size
+
+    def rename(self, old: str, new: str) -> None:
+        """The tensor at ``old`` is now known as ``new`` (state that became the next step's input)."""
+        if new in self._placements:
+            raise ValueError(f"{new!r} is already allocated")
+        self._placements[new] = self._placed(old)
+        del self._placements[old]
+
+    def high_water_live(self) -> int:
+        """End of the highest tensor live now (the frontier: frees at the top retreat it)."""
+        return self._top
+
+    def allocate_or_compact(
+        self, name: str, nbytes: int, *, region: tuple[int, int] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """Allocate (preferring ``region``); if only fragmentation is in the way, compact
+        first. Returns the moves compaction made (empty if none) for whoever holds the bytes."""
+        try:
+            self.allocate(name, nbytes, region=region)
+            return []
+        except OutOfArenaMemory:
+            if self.capacity is None or self.in_use + align_up(nbytes, self.alignment) > self.capacity:
+                raise
+        moves = self.compact()
+        self.allocate(name, nbytes)
+        return moves
+
+    def limit(self, capacity: int | None) -> list[tuple[str, int, int]]:
+        """Cap the range at ``capacity``, compacting if live tensors reach past it; returns the
+        moves made. Raises OutOfArenaMemory if the live bytes alone exceed it."""
+        moves = []
+        if capacity is not None and self._top > capacity:
+            if self.in_use > capacity:
+                raise OutOfArenaMemory("<limit>", 0, self.in_use, capacity)
+            moves = self.compact()
+        self.capacity = capacity
+        return moves
+
+    def compact(self) -> list[tuple[str, int, int]]:
+        """Slide every live tensor down to close all holes; returns (name, old, new) offsets in
+        ascending order, which is a safe order to move the bytes in."""
+        moves = []
+        cursor = 0
+        for name, placement in sorted(self._placements.items(), key=lambda item: item[1].offset):
+            if placement.offset != cursor:
+                moves.append((name, placement.offset, cursor))
+                self._placements[name] = Placement(cursor, placement.nbytes)
+            cursor += placement.nbytes
+        self._free = []
+        self._top = cursor
+        return moves
+
+    def layout(self) -> tuple[tuple[str, int, int], ...]:
+        """Where every live tensor is; with the canonical free list this is the whole state."""
+        return tuple(sorted((n, p.offset, p.nbytes) for n, p in self._placements.items()))
+
+    def clone(self) -> "BestFitAllocator":
+        other = BestFitAllocator(self.capacity, alignment=self.alignment)
+        other._free = list(self._free)
+        other._top = self._top
+        other._placements = dict(self._placements)
+        other.in_use, other.high_water, other.peak_in_use = self.in_use, self.high_water, self.peak_in_use
+        return other
+
+    def check_no_overlap(self) -> None:
+        """Invariant: no two live tensors share a byte."""
+        spans = sorted((p.offset, p.offset + p.nbytes, n) for n, p in self._placements.items())
+        for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise AssertionError(f"{n0!r} [{s0}, {e0}) overlaps {n1!r} at {s1}")

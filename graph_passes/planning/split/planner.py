@@ -1,0 +1,243 @@
+"""Joint planner over swap and split (TSPLIT Alg. 2): which ops to split, how, and into how
+many micro-ops, so that a swap plan fits the budget.
+
+The planner walks the schedule (the graph lowered one node per block, as the swap planner's
+least budget sees it) and stops at the first *bottleneck*: a step whose own inputs, outputs and
+workspace exceed the budget. There, swapping or recomputing any other live tensor saves nothing
+(``ΔM = 0``: the bound already assumes every other tensor is on the host), so the options are
+the splits of the op: every axis its rule offers (:mod:`graph_passes.planning.split.rules`) and
+``p`` in :data:`SPLIT_PARTS` (per axis, up to the fewest parts that make the op fit: more
+only add launches). Each is written into the graph (:mod:`graph_passes.planning.split.graph_pass`,
+one ``Split`` per input, so the lowering can make it a view) and lowered again; its ``ΔM`` is
+the op's need less the most any node of the split needs (measured on the lowered program, views
+and merges included, so the planner never counts a saving the runtime does not realise) and its
+``ΔT`` is TSPLIT Eq. 6 (:mod:`graph_passes.planning.split.cost`). Among the options that make the op fit,
+the lowest ``ΔT/ΔM`` wins; then the walk goes on. Where no option fits, planning stops with the
+:class:`Bottleneck`. Once every step fits, everything else is the swap planner's: Belady
+eviction of live tensors, which is Alg. 2's swap choice for the tensor used furthest away.
+
+The result is a frozen :class:`JointPlan`, checked before it is returned: the split graph,
+lowered one node per block, swap-planned and replayed through the arena
+(:func:`graph_passes.ir.memory.simulate_program`) under the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Callable, Mapping
+
+import onnx
+
+from graph_passes.cost.cost_model import CostModel, ProfiledCostModel
+from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
+from graph_passes.ir.memory import simulate_program
+from graph_passes.ir.program import Program, RunBlock
+from graph_passes.ir.shapes import TensorInfo
+from graph_passes.planning.split.cost import measure_node_times, split_added_time
+from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
+from graph_passes.planning.split.rules import NodeInfo, SplitAxis, UnsplittableOpError, constant_values, split_options
+from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
+
+logger = logging.getLogger(__name__)
+
+SPLIT_PARTS = (2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitChoice:
+    """One split the planner took: ``node`` (its name, else its first output) ``parts`` ways on ``axis``; the op needed
+    ``needed_before`` bytes, its split needs ``needed_after``; ``added_time_s`` is Eq. 6."""
+
+    node: str
+    axis: SplitAxis
+    parts: int
+    needed_before: int
+    needed_after: int
+    added_time_s: float
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.needed_before - self.needed_after
+
+
+@dataclasses.dataclass(frozen=True)
+class JointPlan:
+    """The splits (``split``, in the order taken, with ``choices``) and what the check found:
+    ``required_bytes`` (least budget any swap plan of the split graph needs) and
+    ``checked_peak_bytes`` (the arena replay of its one-node-per-block swap plan)."""
+
+    split: SplitPlan
+    choices: tuple[SplitChoice, ...]
+    budget: int
+    required_bytes: int
+    checked_peak_bytes: int
+
+    @property
+    def added_time_s(self) -> float:
+        return sum(c.added_time_s for c in self.choices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bottleneck:
+    """Why no plan fits: ``node`` (op type ``op_type``; empty for a load or fetch) needs
+    ``needed_bytes`` at best, more than the budget."""
+
+    node: str
+    op_type: str
+    needed_bytes: int
+    reason: str
+
+
+class JointPlanner:
+    """Alg. 2 over split and swap for one input signature.
+
+    ``lower(model, infos)``: the graph lowered one node per block (the runtime's lowering, so
+    views and block rules are the runtime's). ``infer(model)``: tensor infos of a rewritten
+    graph. ``cost_model`` times nodes; with ``measure`` the op and its micro-ops are also
+    profiled in ONNX Runtime (:func:`graph_passes.planning.split.cost.measure_node_times`, cached by
+    node signature) and measured times win."""
+
+    def __init__(
+        self, *, lower: Callable[[onnx.ModelProto, Mapping[str, TensorInfo]], Program],
+        infer: Callable[[onnx.ModelProto], Mapping[str, TensorInfo]], cost_model: CostModel,
+        parts: tuple[int, ...] = SPLIT_PARTS, alignment: int = DEFAULT_ALIGNMENT, measure: bool = False,
+        max_splits: int = 256,
+    ) -> None:
+        self.lower, self.infer, self.cost_model = lower, infer, cost_model
+        self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
+        self._measured: dict[tuple, float] = {}
+        self.candidates_tried = 0
+        self.profiled = 0  # node signatures timed in ONNX Runtime (measure=True)
+
+    def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
+        names = {_label(n): i for i, n in enumerate(model.graph.node) if _label(n)}
+        constants = constant_values(model)
+        runs: list[SplitRun] = []
+        choices: list[SplitChoice] = []
+        current, current_infos = model, infos
+        program = self.lower(current, current_infos)
+        while True:
+            sizes = self._sizes(current_infos)
+            over = next(((i, need) for i, need in step_requirements(program, sizes) if need > budget), None)
+            if over is None:
+                break
+            index, need = over
+            step = program.steps[index]
+            if not isinstance(step, RunBlock):
+                return Bottleneck("", "", need, f"step {index} ({type(step).__name__}) alone needs {need} bytes")
+            node = max((current.graph.node[i] for i in program.blocks[step.block].node_indices),
+                       key=lambda n: sum(current_infos[o].nbytes for o in n.output if o in current_infos))
+            if _is_split_node(node) or _label(node) not in names:
+                return Bottleneck(_label(node), node.op_type, need, "a micro-op or merge of a split alone exceeds the budget")
+            if len(runs) >= self.max_splits:
+                return Bottleneck(_label(node), node.op_type, need, f"more than {self.max_splits} splits needed")
+            best = self._best_split(model, infos, constants, runs, names[_label(node)], need, budget)
+            if isinstance(best, Bottleneck):
+                return best
+            run, choice, current, current_infos, program = best
+            runs.append(run)
+            choices.append(choice)
+            logger.info("split %s %d ways on %s: needs %d instead of %d bytes, +%.3g ms", choice.node, choice.parts,
+                        choice.axis, choice.needed_after, choice.needed_before, choice.added_time_s * 1e3)
+        return self._check(SplitPlan(tuple(runs)), tuple(choices), program, current_infos, budget)
+
+    def _sizes(self, infos: Mapping[str, TensorInfo]) -> dict[str, int]:
+        return {n: align_up(i.nbytes, self.alignment) for n, i in infos.items()}
+
+    def _best_split(self, model, infos, constants, runs, index, need, budget):
+        """The cheapest split (lowest ΔT/ΔM) of node ``index`` that makes it fit, with the
+        rewritten graph, its infos and lowering; or the Bottleneck."""
+        node = model.graph.node[index]
+        try:
+            options = split_options(NodeInfo.of(node, infos, constants))
+        except UnsplittableOpError as e:
+            return Bottleneck(_label(node), node.op_type, need, str(e))
+        tag = re.compile(rf"__sp{len(runs)}(?!\d)")
+        best, least = None, need
+        for option in options:
+            fitted = False
+            for parts in self.parts:
+                if parts > option.extent or fitted:  # more parts than the fewest that fit: more launches, same op
+                    continue
+                run = SplitRun((index,), (option.key,), parts)
+                self.candidates_tried += 1
+                try:
+                    rewritten, _ = write_split_plan(model, SplitPlan((*runs, run)), infos, cut=Cut.SPLIT)
+                except UnsplittableOpError:
+                    continue
+                new_infos = self.infer(rewritten)
+                program = self.lower(rewritten, new_infos)
+                group = {i for i, n in enumerate(rewritten.graph.node) if tag.search(n.name)}
+                sizes = self._sizes(new_infos)
+                after = max((need_ for i, need_ in step_requirements(program, sizes)
+                             if isinstance(program.steps[i], RunBlock)
+                             and group & set(program.blocks[program.steps[i].block].node_indices)), default=need)
+                least = min(least, after)
+                if after >= need or after > budget:
+                    continue
+                fitted = True
+                wholes = {w for w, _ in program.views}
+                views = [n.name for i, n in enumerate(rewritten.graph.node)
+                         if i in group and n.op_type == "Split" and n.input[0] in wholes]
+                group_nodes = [rewritten.graph.node[i] for i in sorted(group)]
+                added = split_added_time(node, infos, group_nodes, new_infos, self._cost_model(node, infos, group_nodes, new_infos, rewritten),
+                                         views=views)
+                ratio = added / (need - after)
+                if best is None or (ratio, parts) < best[0]:
+                    choice = SplitChoice(_label(node), option.key, parts, need, after, added)
+                    best = ((ratio, parts), (run, choice, rewritten, new_infos, program))
+        if best is None:
+            return Bottleneck(_label(node), node.op_type, least,
+                              f"no split of {node.op_type} {_label(node)!r} (p in {self.parts}) brings its {need} bytes "
+                              f"under the budget {budget}; the best needs {least}")
+        return best[1]
+
+    def _cost_model(self, node, infos, group_nodes, new_infos, rewritten) -> CostModel:
+        if not self.measure:
+            return self.cost_model
+        times = {}
+        for n, n_infos, m in [(node, infos, None)] + [(g, new_infos, rewritten) for g in group_nodes]:
+            key = _signature(n, n_infos)
+            if key not in self._measured:
+                measured = measure_node_times(m if m is not None else rewritten, [n], n_infos)
+                self.profiled += n.name in measured
+                self._measured[key] = measured.get(n.name, self.cost_model.node_time(n, n_infos))
+            times[n.name] = self._measured[key]
+        return ProfiledCostModel({}, self.cost_model, node_times=times)
+
+    def _check(self, split: SplitPlan, choices, program: Program, infos, budget: int) -> JointPlan | Bottleneck:
+        """Swap-plan the split graph (one node per block) and replay it under the budget."""
+        sizes = self._sizes(infos)
+        swap = SwapPlanner().plan(program, sizes, budget)
+        if isinstance(swap, Infeasible):
+            return Bottleneck("", "", swap.needed_bytes, swap.reason)
+        planned = apply_swap_plan(program, swap)
+        trace = simulate_program(planned, infos, budget=budget, alignment=self.alignment)
+        if trace.peak_device_bytes > budget:
+            return Bottleneck("", "", trace.peak_device_bytes, "the swap plan of the split graph does not replay within the budget")
+        required = max((need for _, need in step_requirements(program, sizes)), default=0)
+        return JointPlan(split, choices, budget, required, trace.peak_device_bytes)
+
+
+def _label(node: onnx.NodeProto) -> str:
+    """A node's name, or its first output for an unnamed node."""
+    return node.name or next((o for o in node.output if o), "")
+
+
+def _is_split_node(node: onnx.NodeProto) -> bool:
+    return any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props)
+
+
+def _signature(node: onnx.NodeProto, infos: Mapping[str, TensorInfo]) -> tuple:
+    shapes = tuple((infos[n].dtype.str, infos[n].shape) if n in infos else None for n in node.input)
+    return node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute), shapes
+
+
+def split_node_count(model: onnx.ModelProto) -> int:
+    """Nodes the split pass added to ``model`` (micro-ops, cuts, merges, their constants)."""
+    return sum(1 for n in model.graph.node if _is_split_node(n))
+
+
+__all__ = ["Bottleneck", "JointPlan", "JointPlanner", "SPLIT_PARTS", "SplitChoice", "split_node_count"]

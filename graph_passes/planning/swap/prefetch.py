@@ -1,0 +1,180 @@
+"""Prefetch placement: move each ``SwapIn`` as early in the program as memory allows, so its
+copy runs under the compute of the blocks it moves across (SwapAdvisor §3: "prefetch as early as
+possible"; issue item "place each SwapIn as early as memory allows so the copy hides under
+compute").
+
+The swap planner places swap-ins just in time, right before the step that needs them; the
+runtime (and :mod:`graph_passes.cost.simulator`) issues a swap-in when it reaches it in the program,
+so a copy placed before block ``j`` overlaps block ``j-1`` at best. :func:`hoist_swap_ins` moves
+each swap-in up, one step at a time, while
+
+- the step it moves across does not touch the tensor (a block reading, producing or freeing it,
+  its ``SwapOut``, a ``Fetch`` of it) and is not a ``Commit``;
+- the step is not another ``SwapIn`` or a ``Load``: copies to the device stay in the order the
+  program needs them, since the host→device stream is FIFO;
+- memory allows: at the step it moves across, live arena bytes plus that step's block workspace
+  plus the hoisted tensor stay within ``budget`` (the accounting of
+  :func:`graph_passes.ir.memory.simulate_program`, sizes aligned with
+  :func:`~graph_passes.ir.memory.align_up`);
+- at most ``lookahead_blocks`` blocks are crossed, when given.
+
+Where a swap-in stops, it goes after the ``SwapOut``/``Fetch`` steps it crossed there (between
+the same two blocks): they release memory the swap-in's allocation may wait for, and the runtime
+issues them without waiting, so evictions still come first (SwapAdvisor's SwapOut → SwapIn
+edge).
+
+Swap-ins are hoisted in program order, so the ones needed first get first claim on free memory.
+The result has the same steps, only ``SwapIn`` positions differ, and its
+``simulate_program(...).min_budget_bytes`` stays within ``budget`` (and never above the input
+program's own, if that was already above ``budget``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
+from graph_passes.ir.program import Commit, Fetch, Load, Program, RunBlock, Step, SwapIn, SwapOut
+from graph_passes.ir.shapes import TensorInfo
+
+
+def _profile(program: Program, steps: Sequence[Step], sizes: Mapping[str, int]) -> tuple[list[int], list[int]]:
+    """Per step: live arena bytes before it runs, and its measured point (live bytes after its
+    allocations plus its block's workspace; for steps that allocate nothing, the bytes before)."""
+    live = sum(sizes[n] for n in program.state_inputs)
+    resident = set(program.state_inputs)
+    before, point = [], []
+    for step in steps:
+        before.append(live)
+        if isinstance(step, (Load, SwapIn)):
+            live += sizes[step.name]
+            resident.add(step.name)
+            point.append(live)
+        elif isinstance(step, RunBlock):
+            live += sum(sizes[n] for n in step.allocates)
+            resident.update(step.allocates)
+            point.append(live + program.blocks[step.block].workspace_bytes)
+            for name in step.frees:
+                live -= sizes[name]
+                resident.discard(name)
+        elif isinstance(step, SwapOut):
+            point.append(live)
+            live -= sizes[step.name]
+            resident.discard(step.name)
+        elif isinstance(step, Fetch):
+            point.append(live)
+            if step.free:
+                live -= sizes[step.name]
+                resident.discard(step.name)
+        elif isinstance(step, Commit):
+            point.append(live)
+            for updated, state in step.renames:
+                if state in resident:
+                    live -= sizes[state]
+                    resident.discard(state)
+                if updated in resident:
+                    resident.discard(updated)
+                    resident.add(state)
+        else:
+            raise TypeError(f"unknown program step {step!r}")
+    return before, point
+
+
+def _touches(program: Program, step: Step, name: str) -> bool:
+    """Whether ``step`` is a barrier for hoisting a swap-in of ``name``."""
+    if isinstance(step, (SwapIn, Load, Commit)):
+        return True
+    if isinstance(step, (SwapOut, Fetch)):
+        return step.name == name
+    if isinstance(step, RunBlock):
+        return name in program.blocks[step.block].inputs or name in step.allocates or name in step.frees
+    return True
+
+
+def hoist_swap_ins(
+    program: Program,
+    infos: Mapping[str, TensorInfo],
+    *,
+    budget: int,
+    lookahead_blocks: int | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+    evaluate: Callable[[Program], float] | None = None,
+) -> Program:
+    """``program`` with every ``SwapIn`` moved as early as memory and its dependences allow
+    (see the module docstring). ``lookahead_blocks`` bounds how many blocks one swap-in may
+    move across (``None``: no bound).
+
+    ``evaluate`` (e.g. the simulated step time, ``lambda p: simulate_time(p, ...).step_time_s``)
+    guards against slowdowns: an early copy shares the duplex link with swap-outs and holds
+    memory a block may then wait for. With it, the fully hoisted program is kept if it is not
+    slower; otherwise swap-ins are hoisted one at a time, each move kept only if the program
+    does not get slower (one evaluation per swap-in)."""
+    hoisted = _hoist(program, infos, budget, lookahead_blocks, alignment, only=None)
+    if evaluate is None or hoisted.steps == program.steps:
+        return hoisted
+    baseline = evaluate(program)
+    if evaluate(hoisted) <= baseline:
+        return hoisted
+    current = program
+    for k in range(sum(isinstance(s, SwapIn) for s in program.steps)):
+        candidate = _hoist(current, infos, budget, lookahead_blocks, alignment, only=k)
+        if candidate.steps == current.steps:
+            continue
+        seconds = evaluate(candidate)
+        if seconds <= baseline:
+            current, baseline = candidate, seconds
+    return current
+
+
+def _hoist(program, infos, budget, lookahead_blocks, alignment, only: int | None) -> Program:
+    """Hoist every swap-in, or only the ``only``-th (counting swap-ins in program order)."""
+    sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
+    steps = list(program.steps)
+    before, point = _profile(program, steps, sizes)
+    position = 0
+    seen = -1
+    while position < len(steps):
+        step = steps[position]
+        if not isinstance(step, SwapIn):
+            position += 1
+            continue
+        seen += 1
+        if only is not None and seen != only:
+            position += 1
+            continue
+        size = sizes[step.name]
+        target = position
+        crossed_blocks = 0
+        while target > 0:
+            previous = steps[target - 1]
+            if _touches(program, previous, step.name):
+                break
+            if isinstance(previous, RunBlock):
+                if lookahead_blocks is not None and crossed_blocks >= lookahead_blocks:
+                    break
+            # Placed before `previous`, the tensor is live at its point and at its own.
+            if max(point[target - 1], before[target - 1]) + size > budget:
+                break
+            crossed_blocks += isinstance(previous, RunBlock)
+            target -= 1
+        # Where it stops, it comes after the swap-outs and fetches it crossed there: they
+        # release memory it may be waiting for, and issuing them first costs no time.
+        while target < position and isinstance(steps[target], (SwapOut, Fetch)):
+            target += 1
+        if target < position:
+            # Steps target..position-1 shift down one and carry the tensor; the swap-in's own
+            # point is the bytes before `target` plus itself.
+            moved_before = before[target]
+            for i in range(target, position):
+                before[i] += size
+                point[i] += size
+            for seq in (steps, before, point):
+                seq.insert(target, seq.pop(position))
+            before[target] = moved_before
+            point[target] = moved_before + size
+        position += 1
+    return dataclasses.replace(program, steps=tuple(steps))
+
+
+__all__ = ["hoist_swap_ins"]

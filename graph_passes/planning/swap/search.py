@@ -1,0 +1,176 @@
+"""Overlap-aware swap planning: choose, by simulated step time, how a program is cut into
+blocks and which state lives on the host between steps, for a swap plan under a budget.
+
+The Belady planner (:mod:`graph_passes.planning.swap.planner`) decides *what* leaves the arena for one
+program. How much of the copying hides under compute depends on choices it does not make
+(SwapAdvisor §4 searches them jointly with a simulator in the loop; we search a small,
+structured space exhaustively):
+
+- **Block size.** A tensor can leave only after the block that last reads it ends, and a
+  block's outputs are all allocated when it starts; smaller blocks let copies start sooner and
+  spread allocations out, at a per-block cost (``DeviceProfile.block_overhead_s``).
+- **State placement.** Optimizer state is first read at the end of the step: kept on the
+  device, it sits in the arena through the memory peak of forward and backward and has to be
+  copied out *then*, when the link is busiest. Kept on the host between steps, it comes in
+  for the update and its new value goes back right after. Candidates: none on the host
+  (Belady's own steady state), the state first read after the program's memory peak, and all
+  state.
+
+Each candidate is planned, its swap-outs issued early (:mod:`graph_passes.planning.swap.eviction`), its
+swap-ins hoisted (:mod:`graph_passes.planning.swap.prefetch`), checked against the budget with the arena
+replay (:func:`graph_passes.ir.memory.simulate_program`), and timed by the caller's ``evaluate``
+(normally :func:`graph_passes.cost.simulator.simulate_time` on the target's profile). The fastest
+wins; ties go to the larger blocks and then to fewer state tensors on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Mapping, Sequence
+
+from graph_passes.planning.swap.eviction import issue_swap_outs_early
+from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
+from graph_passes.ir.memory import MemoryTrace, simulate_program
+from graph_passes.planning.swap.prefetch import hoist_swap_ins
+from graph_passes.ir.program import Program, RunBlock
+from graph_passes.ir.shapes import TensorInfo
+from graph_passes.planning.swap.planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan
+
+logger = logging.getLogger(__name__)
+
+# How many block sizes, from the largest that plans downwards, are tried (each the previous
+# one's half, as lowered by the caller).
+DEFAULT_MAX_BLOCK_SIZES = 5
+
+STATE_NONE, STATE_AFTER_PEAK, STATE_ALL = "none", "after_peak", "all"
+STATE_PLACEMENTS = (STATE_NONE, STATE_AFTER_PEAK, STATE_ALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapCandidate:
+    """One planned program the search considered."""
+
+    base_program: Program  # the lowered program before swaps
+    plan: SwapPlan
+    program: Program  # with swaps placed
+    trace: MemoryTrace
+    state_placement: str
+    step_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapSearchResult:
+    best: SwapCandidate
+    considered: tuple[tuple[int, str, float | None], ...]  # (blocks, placement, seconds or None if over budget)
+
+
+def state_first_read_after_peak(program: Program, infos: Mapping[str, TensorInfo], *, alignment: int) -> frozenset[str]:
+    """State inputs no block reads before the block at which the unplanned program's live
+    bytes peak: they only take room there."""
+    trace = simulate_program(program, infos, alignment=alignment, steps=1)
+    peak_label = max(trace.timeline, key=lambda p: p.in_use + p.workspace).label
+    peak_position = next(
+        (i for i, s in enumerate(program.steps) if isinstance(s, RunBlock) and f"block {s.block}" == peak_label),
+        len(program.steps),
+    )
+    first_read: dict[str, int] = {}
+    for position, step in enumerate(program.steps):
+        if isinstance(step, RunBlock):
+            for name in program.blocks[step.block].inputs:
+                first_read.setdefault(name, position)
+    return frozenset(n for n in program.state_inputs if first_read.get(n, len(program.steps)) > peak_position)
+
+
+class SwapSearch:
+    """Exhaustive search over block size × state placement (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        planner: SwapPlanner | None = None,
+        max_block_sizes: int = DEFAULT_MAX_BLOCK_SIZES,
+        state_placements: Sequence[str] = STATE_PLACEMENTS,
+        early_swap_outs: bool = True,
+        while_improving: bool = False,
+    ) -> None:
+        unknown = set(state_placements) - set(STATE_PLACEMENTS)
+        if unknown:
+            raise ValueError(f"unknown state placements {sorted(unknown)}: use {', '.join(STATE_PLACEMENTS)}")
+        self.planner = planner or SwapPlanner()
+        self.max_block_sizes = max_block_sizes
+        self.state_placements = tuple(state_placements)
+        # Issuing swap-outs early pays where copies overlap compute (a GPU's copy engines).
+        self.early_swap_outs = early_swap_outs
+        # Go on past `max_block_sizes` while the last block size tried was the fastest so far
+        # (the trend has not turned yet), down to the smallest lowering given.
+        self.while_improving = while_improving
+
+    def search(
+        self,
+        programs: Sequence[Program],
+        infos: Mapping[str, TensorInfo],
+        *,
+        budget: int,
+        evaluate: Callable[[Program], float],
+        alignment: int = DEFAULT_ALIGNMENT,
+    ) -> SwapSearchResult | None:
+        """The fastest plan within ``budget`` over ``programs`` (the same graph lowered with
+        decreasing block sizes, largest first); ``None`` if none plans."""
+        sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
+        best: SwapCandidate | None = None
+        last_planned: Program | None = None
+        considered = []
+        tried = 0
+        for program in programs:
+            if tried >= self.max_block_sizes and not (self.while_improving and best is not None
+                                                      and best.base_program is last_planned):
+                break
+            placements = self._placements(program, infos, alignment)
+            planned_any = False
+            for label, host_state in placements:
+                plan = self.planner.plan(program, sizes, budget, host_state=host_state)
+                if isinstance(plan, Infeasible):
+                    break  # the same for every placement of this program
+                planned_any = True
+                applied = apply_swap_plan(program, plan)
+                if self.early_swap_outs:
+                    applied = issue_swap_outs_early(applied)
+                placed = hoist_swap_ins(applied, infos, budget=budget, alignment=alignment)
+                trace = simulate_program(placed, infos, budget=budget, alignment=alignment)
+                if trace.min_budget_bytes > budget:
+                    considered.append((len(program.blocks), label, None))
+                    continue
+                seconds = evaluate(placed)
+                considered.append((len(program.blocks), label, seconds))
+                if best is None or seconds < best.step_time_s:
+                    best = SwapCandidate(program, plan, placed, trace, label, seconds)
+            if planned_any:
+                tried += 1
+                last_planned = program
+        if best is None:
+            return None
+        logger.info(
+            "swap search: %d candidates, chose %d blocks with state placement %r (%.3g s simulated)",
+            len(considered), len(best.base_program.blocks), best.state_placement, best.step_time_s,
+        )
+        return SwapSearchResult(best, tuple(considered))
+
+    def _placements(self, program: Program, infos, alignment: int) -> list[tuple[str, frozenset[str] | None]]:
+        options: list[tuple[str, frozenset[str] | None]] = []
+        seen: set[frozenset[str]] = set()
+        for label in self.state_placements:
+            if label == STATE_NONE:
+                options.append((label, None))  # Belady's own steady state
+                continue
+            chosen = (state_first_read_after_peak(program, infos, alignment=alignment) if label == STATE_AFTER_PEAK
+                      else frozenset(program.state_inputs))
+            if chosen and chosen not in seen:
+                seen.add(chosen)
+                options.append((label, chosen))
+        return options
+
+
+__all__ = [
+    "STATE_PLACEMENTS", "SwapCandidate", "SwapSearch", "SwapSearchResult", "state_first_read_after_peak",
+]

@@ -1,0 +1,1 @@
+"""The execution provider: the runner that executes a planned program, the device arena, block sessions, copy engines and streams, the host store, and the device backends (CPU, CUDA) that plug into it."""

@@ -1,0 +1,244 @@
+"""The ``ort-offload`` command line: train/export/run, reports, and bad input (exit code 2,
+one line, no partial files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import onnx
+import onnx.helper as oh
+import pytest
+
+from ort_offload.cli import main
+from ort_offload.report import REPORT_KEYS
+
+
+def run_cli(*args):
+    return main([str(a) for a in args])
+
+
+def test_train_writes_report_json_and_plot(tmp_path, capsys):
+    report_path, plot_path = tmp_path / "r.json", tmp_path / "p.png"
+    code = run_cli("train", "--model", "mlp", "--budget", "1.0x", "--steps", "3", "--verify",
+                   "--json", report_path, "--plot", plot_path)
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["within_budget"] is True and report["steps"] == 3
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    assert report["verify"]["max_loss_rel_diff"] < 1e-5
+    assert report["verify"]["max_param_rel_diff"] < 1e-5
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "peak_device_bytes" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json"]
+
+
+def test_export_then_run_the_file(tmp_path):
+    graph = tmp_path / "gpt.onnx"
+    assert run_cli("export", "--model", "gpt", "-o", graph) == 0
+    onnx.checker.check_model(onnx.load(graph))
+    report_path = tmp_path / "run.json"
+    code = run_cli("run", graph, "--budget", "1.0x", "--steps", "2", "--input", "ids=4x16",
+                   "--input", "targets=4x16", "--json", report_path, "--quiet")
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 2 and report["within_budget"] is True
+    assert len(report["losses"]) == 2
+
+
+def _expect_error(capsys, *args, message):
+    code = run_cli(*args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert message in err
+    return err
+
+
+def test_unknown_model_and_config(capsys, tmp_path):
+    _expect_error(capsys, "train", "--model", "resnet9000", message="valid models")
+    _expect_error(capsys, "train", "--model", "mlp", "--config", "huge", message="huge")
+
+
+def test_unknown_device(capsys):
+    _expect_error(capsys, "train", "--model", "mlp", "--device", "tpu", message="unknown device")
+
+
+def test_unparsable_budget(capsys):
+    _expect_error(capsys, "train", "--model", "mlp", "--budget", "lots", message="cannot parse budget")
+
+
+def test_budget_too_small_names_the_bytes_needed(capsys, tmp_path):
+    report_path = tmp_path / "r.json"
+    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "0.5x", "--passes", "none",
+                        "--json", report_path, message="needs without offload passes")
+    assert any(ch.isdigit() for ch in err)
+    assert not report_path.exists()
+    err = _expect_error(capsys, "train", "--model", "mlp", "--budget", "1KiB", "--json", report_path,
+                        message="needs with swapping")
+    assert not report_path.exists()
+
+
+def test_swap_makes_half_the_budget_work(tmp_path):
+    report_path = tmp_path / "r.json"
+    assert run_cli("train", "--model", "mlp", "--budget", "0.5x", "--steps", "2", "--json", report_path,
+                   "--quiet") == 0
+    report = json.loads(report_path.read_text())
+    assert report["passes"] == ["swap"] and report["within_budget"] is True
+    assert report["peak_device_bytes"] <= report["budget_bytes"] < report["baseline_peak_bytes"]
+    assert report["swap_out_bytes"] > 0 and report["swap_in_bytes"] > 0
+
+
+def test_malformed_and_missing_files(capsys, tmp_path):
+    junk = tmp_path / "junk.onnx"
+    junk.write_text("this is not onnx")
+    _expect_error(capsys, "run", junk, message="not an ONNX model")
+    _expect_error(capsys, "run", tmp_path / "absent.onnx", message="no such file")
+    # Valid protobuf, invalid graph (a node reads an undefined value).
+    bad = oh.make_model(oh.make_graph([oh.make_node("Relu", ["nowhere"], ["y"])], "g", [],
+                                      [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]))
+    invalid = tmp_path / "invalid.onnx"
+    onnx.save(bad, invalid)
+    _expect_error(capsys, "run", invalid, message="not valid ONNX")
+
+
+def test_unsupported_op(capsys, tmp_path):
+    node = oh.make_node("Frobnicate", ["x"], ["loss"], domain="com.example")
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20), oh.make_opsetid("com.example", 1)])
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, path)
+    _expect_error(capsys, "run", path, message="com.example::Frobnicate")
+
+
+def test_input_shapes_that_do_not_match(capsys, tmp_path):
+    graph = tmp_path / "mlp.onnx"
+    assert run_cli("export", "--model", "mlp", "-o", graph) == 0
+    capsys.readouterr()
+    _expect_error(capsys, "run", graph, "--input", "x=4x31", "--input", "y=4", message="does not match")
+    _expect_error(capsys, "run", graph, message="symbolic shape")
+    _expect_error(capsys, "run", graph, "--input", "x=4x32", "--input", "y=5", message="dimension")
+    _expect_error(capsys, "run", graph, "--input", "bogus", message="cannot parse --input")
+    _expect_error(capsys, "train", "--model", "gpt", "--seq", "1000", message="seq")
+
+
+def test_no_partial_output_when_the_directory_is_missing(capsys, tmp_path):
+    _expect_error(capsys, "export", "--model", "mlp", "-o", tmp_path / "nodir" / "m.onnx", message="does not exist")
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    env = dict(os.environ)
+    result = subprocess.run([sys.executable, "-m", "ort_offload", "train", "--model", "nope"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "valid models" in result.stderr
+    script = shutil.which("ort-offload", path=os.path.dirname(sys.executable))
+    assert script is not None, "the ort-offload console script is not installed"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "train" in result.stdout
+
+
+def test_transform_writes_a_graph_stock_onnxruntime_runs_identically(tmp_path, capsys):
+    import numpy as np
+    import onnxruntime as ort
+
+    from graph_passes.ir.training_graph import TrainingGraph
+    from ort_offload.export.graph_inputs import random_batch, random_state
+
+    source, rewritten, report_path = tmp_path / "gpt.onnx", tmp_path / "gpt_swap.onnx", tmp_path / "t.json"
+    assert run_cli("export", "--model", "gpt", "-o", source) == 0
+    code = run_cli("transform", source, "-o", rewritten, "--budget", "0.3x", "--input", "ids=8x16",
+                   "--input", "targets=8x16", "--report", report_path)
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["passes"] == ["swap"] and report["swaps"]
+    assert report["planned_peak_bytes"] <= report["budget_bytes"] < report["baseline_peak_bytes"]
+    assert {s["op"] for s in report["swaps"]} == {"swap_out", "swap_in"}
+    model = onnx.load(rewritten)
+    onnx.checker.check_model(model)
+    graph = TrainingGraph.from_model(onnx.load(source))
+    assert TrainingGraph.from_model(model).state_pairs == graph.state_pairs
+    feeds = {**random_state(graph), **random_batch(graph, {"ids": (8, 16), "targets": (8, 16)})}
+
+    def outputs(m):
+        return ort.InferenceSession(m.SerializeToString()).run(None, feeds)
+
+    for before, after in zip(outputs(graph.model), outputs(model)):
+        np.testing.assert_array_equal(before, after)
+    assert "swaps" in capsys.readouterr().out
+
+
+def test_inspect_summarises_roles_sizes_and_peak(tmp_path, capsys):
+    source = tmp_path / "mlp.onnx"
+    assert run_cli("export", "--model", "mlp", "-o", source) == 0
+    capsys.readouterr()
+    assert run_cli("inspect", source, "--input", "x=8x32", "--input", "y=8") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["roles"]["param"] > 0 and summary["baseline_peak_bytes"] > 0
+    assert summary["state_bytes"]["param"] > 0 and summary["largest_ops"]
+    assert run_cli("inspect", source) == 0  # symbolic shapes: roles and ops, with a note
+    assert "note" in json.loads(capsys.readouterr().out)
+
+
+def test_transform_plans_for_a_named_device_profile_and_train_takes_an_arena_policy(tmp_path, capsys):
+    source, out, report_path = tmp_path / "mlp.onnx", tmp_path / "mlp_v100.onnx", tmp_path / "t.json"
+    assert run_cli("export", "--model", "mlp", "-o", source) == 0
+    assert run_cli("transform", source, "-o", out, "--budget", "0.5x", "--input", "x=8x32", "--input", "y=8",
+                   "--device-profile", "V100-16GB-PCIe3", "--report", report_path) == 0
+    report = json.loads(report_path.read_text())
+    assert report["planning_profile"] == "V100-16GB-PCIe3" and report["swaps"]
+    assert report["planned_peak_bytes"] <= report["budget_bytes"]
+    with pytest.raises(SystemExit):  # argparse: not a profile name
+        run_cli("transform", source, "-o", out, "--budget", "0.5x", "--device-profile", "TPU")
+    json_path = tmp_path / "r.json"
+    assert run_cli("train", "--model", "mlp", "--budget", "0.5x", "--steps", "2", "--arena-policy", "double_buffer",
+                   "--json", json_path, "--quiet") == 0
+    trained = json.loads(json_path.read_text())
+    assert trained["within_budget"] and trained["passes"] == ["swap"]
+
+
+def test_transform_with_recompute_writes_clones_that_stock_onnxruntime_runs_identically(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    from graph_passes.ir.training_graph import TrainingGraph
+    from ort_offload.export.graph_inputs import random_batch, random_state
+
+    source, out, report_path = tmp_path / "gpt.onnx", tmp_path / "gpt_rc.onnx", tmp_path / "t.json"
+    assert run_cli("export", "--model", "gpt", "-o", source) == 0
+    assert run_cli("transform", source, "-o", out, "--budget", "0.75x", "--passes", "recompute",
+                   "--input", "ids=8x16", "--input", "targets=8x16", "--report", report_path) == 0
+    report = json.loads(report_path.read_text())
+    assert report["passes"] == ["recompute"] and report["recomputed_nodes"] > 0 and not report["swaps"]
+    assert report["nodes_after"] == report["nodes_before"] + report["recomputed_nodes"]
+    model = onnx.load(out)
+    onnx.checker.check_model(model)
+    graph = TrainingGraph.from_model(onnx.load(source))
+    feeds = {**random_state(graph), **random_batch(graph, {"ids": (8, 16), "targets": (8, 16)})}
+
+    def outputs(m):
+        return ort.InferenceSession(m.SerializeToString()).run(None, feeds)
+
+    for before, after in zip(outputs(graph.model), outputs(model)):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_train_with_variable_sequence_lengths_plans_each_new_length(tmp_path, capsys):
+    report_path = tmp_path / "r.json"
+    code = run_cli("train", "--model", "bert", "--seq-range", "16:200", "--steps", "6", "--budget", "14MB",
+                   "--passes", "recompute", "--json", report_path, "--quiet")
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["within_budget"] is True and report["steps"] == 6
+    assert report["plans_made"] >= 2  # the first (longest) length and at least one other
+    assert report["recompute_plans"] >= 1 and report["recomputed_nodes"] > 0
+    capsys.readouterr()  # the export's warnings
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "64:16", message="--seq-range")
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16", message="MIN:MAX")
+    _expect_error(capsys, "train", "--model", "bert", "--seq", "16", "--seq-range", "16:32", message="exclude")
+    _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16:300", message="max_seq")
