@@ -111,6 +111,11 @@ def test_every_block_says_whether_it_runs():
     assert not empty, f"console blocks without a `$ ` command at lines {empty}"
 
 
+def test_readme_is_short():
+    """The README is for users (issue acceptance: under 350 lines); detail belongs in docs/."""
+    assert len(README.read_text().splitlines()) < 350
+
+
 def test_parser_reads_languages_flags_and_commands():
     blocks = readme_blocks("x\n```python slow\nprint(1)\n```\n```console\n$ ort-offload a \\\n  b\nout\n```\n")
     assert [(b.language, b.flags, b.line) for b in blocks] == [("python", ("slow",), 2), ("console", (), 5)]
