@@ -213,7 +213,7 @@ def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -
     report = trainer.report()
     prepared = trainer.runner.prepared_steps()[0]
     model = prepared.model if prepared.model is not None else trainer.runner.model
-    simulated = trainer.runner.simulated_time(prepared.program, prepared.infos, model, trainer.runtime.budget_bytes)
+    simulated = trainer.runner.planner.layouts.simulated_time(prepared.program, prepared.infos, model, trainer.runtime.budget_bytes)
     extra = {
         "setup_s": setup_s, "blocks": len(prepared.program.blocks), "simulated_step_s": simulated,
         "arena_reserved_bytes": trainer.runtime.arena.reserved_bytes,

@@ -12,7 +12,7 @@ idle pause after each) so machine noise hits all alike:
 - **static**: ``recompute_policy="static"``: the recompute plan made for the first (longest)
   batch serves every length (the Sublinear-style baseline Mimose compares against);
 - **input-aware**: ``recompute_policy="input_aware"``: per length bucket, a plan for that size
-  (``ort_offload.runtime.recompute_planning``; plans from the fitted estimator once it has its sizes),
+  (``graph_passes.planning.recompute.signatures``; plans from the fitted estimator once it has its sizes),
   starting from the segments' cheap units (selective recomputation);
 - with ``--whole-segments``, a fourth, **whole_segments**: input-aware with
   ``selective_recompute=False``, whole segments only, as Mimose's rule plans (what the

@@ -13,7 +13,10 @@ import math
 import numbers
 import re
 
+from graph_passes.formatting import format_bytes
 from ort_offload.errors import BudgetParseError
+
+__all__ = ["Budget", "format_bytes", "parse_budget"]
 
 _UNITS = {
     "": 1,
@@ -101,15 +104,3 @@ def _checked_bytes(value: int | float, text) -> int:
     if nbytes <= 0:
         raise BudgetParseError(f"budget must be at least one byte, got {text!r}: {_HELP}")
     return nbytes
-
-
-def format_bytes(nbytes: int | float | None) -> str:
-    """Human-readable binary size, e.g. ``12.5 MiB``."""
-    if nbytes is None:
-        return "unlimited"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT
+from graph_passes.planning.recompute.signatures import RECOMPUTE_POLICIES
 from ort_offload.budget import Budget
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
-RECOMPUTE_POLICIES = ("input_aware", "static")
 # cudaMalloc's alignment: every tensor starts where a fresh allocation would, so cuBLAS and
 # cuDNN choose the same kernels in any block as in the unplanned run.
 CUDA_ALIGNMENT = 256
@@ -41,7 +41,7 @@ class OffloadDevice:
     # before the program goes on (False). None: asynchronous except on the CPU device, where
     # the copy thread would take the cores the blocks compute on.
     async_swap_outs: bool | None = None
-    # How recompute plans follow the input size (ort_offload.runtime.recompute_planning): "input_aware"
+    # How recompute plans follow the input size (graph_passes.planning.recompute.signatures): "input_aware"
     # (Mimose: a plan per size bucket) or "static" (the first plan serves every size it fits).
     recompute_policy: str = "input_aware"
     # Recompute plans start from each segment's cheap saved values (GELU and layer-norm

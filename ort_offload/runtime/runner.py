@@ -1,10 +1,9 @@
 """The execution provider: runs lowered training-step programs under the device budget.
 
 :class:`Runtime` owns one device's arena, host store and statistics; :class:`GraphRunner`
-runs one graph on it: per input signature it infers shapes, lowers the graph into blocks and
-steps (:mod:`graph_passes.ir.program`), replays the program through the arena's allocator
-(:mod:`graph_passes.ir.memory`) to check the budget before anything runs, then executes the steps
-with one ONNX Runtime session per block bound into arena memory. The device's memory, copy
+runs one graph on it: per input signature it has the step planner
+(:mod:`graph_passes.planning.driver`) choose a program of blocks and memory steps that fits the
+budget, then executes the steps with one ONNX Runtime session per block bound into arena memory. The device's memory, copy
 engines and providers come from its backend (:mod:`ort_offload.runtime.device_backend`).
 """
 
@@ -19,25 +18,17 @@ import numpy as np
 import onnx
 
 from graph_passes.ir import shapes
-from graph_passes.cost.cost_model import AnalyticalCostModel
 from graph_passes.cost.device_profiles import DeviceProfile, get_profile
-from graph_passes.ir.liveness import node_io
-from graph_passes.ir.allocator import align_up
-from graph_passes.ir.memory import MemoryTrace, allocation_units, simulate_program
-from graph_passes.planning.offload_choice import RATIOS, recompute_first, segment_costs
-from graph_passes.planning.partition import fit_blocks, refine_blocks
+from graph_passes.ir.memory import MemoryTrace, allocation_units
 from graph_passes.ir.program import (
-    Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, lower, order_dependent_last,
+    Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, order_dependent_last,
 )
-from graph_passes.planning.recompute.graph_pass import recomputed_infos
-from graph_passes.planning.split.graph_pass import Cut, write_split_plan
-from graph_passes.planning.split.planner import Bottleneck, JointPlanner, split_node_count
 from graph_passes.ir.shapes import TensorInfo
-from graph_passes.planning.schedule import training_spine, updates_early, updates_start
 from graph_passes.planning.swap.nodes import canonicalize, has_swap_nodes
-from graph_passes.cost.simulator import simulate_time
-from graph_passes.planning.swap.planner import SwapPlan, blocks_over, required_bytes
-from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
+from graph_passes.planning.swap.planner import SwapPlan
+from graph_passes.planning.blocks import PlanningTarget
+from graph_passes.planning.choice import Infeasible
+from graph_passes.planning.driver import StepPlanner, describe_infeasible
 from graph_passes.ir.training_graph import TrainingGraph
 from ort_offload.runtime.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.runtime.block_session import BlockSession, block_content_key, block_model, default_session_options
@@ -50,7 +41,6 @@ from ort_offload.runtime.gc_pause import collection_paused
 from ort_offload.runtime.host_slots import signature_values
 from ort_offload.runtime.host_store import HostStore
 from graph_passes.ort_logging import ort_error_summary
-from ort_offload.runtime.recompute_planning import RecomputePlanning
 
 logger = logging.getLogger(__name__)
 
@@ -188,20 +178,6 @@ class Runtime:
             self.arena.write(name, array)
 
 
-# Block sizes tried, largest first, when the device leaves the choice to the runtime: fewer,
-# larger blocks run faster (ONNX Runtime fuses across more nodes, fewer calls); smaller ones
-# free values sooner and bound each block's workspace.
-AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-
-
-def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[int]:
-    """Block sizes to try for a graph: the device's fixed size, or the whole graph and then
-    :data:`AUTO_BLOCK_SIZES` below it."""
-    if max_block_nodes is not None:
-        return [max_block_nodes]
-    return [max(num_nodes, 1)] + [n for n in AUTO_BLOCK_SIZES if n < num_nodes]
-
-
 class GraphRunner:
     """Runs one training-step (or forward) graph on a :class:`Runtime`."""
 
@@ -221,13 +197,15 @@ class GraphRunner:
         # keeps everything before them in one block (swap nodes fix positions: keep the order).
         self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
-        self.recompute = RecomputePlanning(self, policy=runtime.device.recompute_policy,
-                                           selective=runtime.device.selective_recompute)
-        self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
-        self._updates_cut_of: dict[int, tuple[onnx.ModelProto, int | None]] = {}  # id(model) -> (model, cut)
-        self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
-        self.last_segment_costs: list = []  # graph_passes.planning.offload_choice.SegmentCost of that choice
         self.fetches = fetches
+        device = runtime.device
+        self.planner = StepPlanner(PlanningTarget(
+            graph=graph, model=self.model, profile=runtime.planning_profile, schedule=self.schedule,
+            swap_points=self.swap_points, fetches=fetches, passes=self.passes, alignment=device.alignment,
+            max_block_nodes=device.max_block_nodes,
+            measure_splits=device.kind == "cpu" and device.planning_profile is None,
+            recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
+        ))
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         # The same sessions by what they run (block_content_key): a new recompute
@@ -239,13 +217,10 @@ class GraphRunner:
         # of each model that follow from the input shapes alone.
         self.host_value_cache: dict[tuple, np.ndarray] = {}
         self._signature_values: dict[int, tuple[onnx.ModelProto, frozenset[str]]] = {}
-        self.baseline_peak_bytes: int | None = None
         self.last_trace: MemoryTrace | None = None
         self.last_prepared: PreparedStep | None = None
-        self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
         self.step_times_s: list[float] = []
         self.declared_inputs = shapes.declared_inputs(self.model)
-        self.infer_infos = shapes.ShapeInference(self.model)  # per new signature
 
     # ---- planning --------------------------------------------------------------------------
 
@@ -277,361 +252,36 @@ class GraphRunner:
         return prepared
 
     def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
-        """What ``prepare`` does for a signature not seen before."""
-        if callable(probe_feeds):
-            probe_feeds = probe_feeds()
-        infos = self.infer_infos(input_infos, probe_feeds=probe_feeds)
-        budget = None
-        needed = None
-        chosen = None
-        programs = []
-        model, recomputed = self.model, 0
-        updates_apart = False  # chosen: the largest blocks with the state updates cut off
-        unrecomputed = None
-        recompute_allowed = "recompute" in self.passes and bool(self.graph.loss_name)
-        for program in self.lowerings(self.model, infos, self.schedule):
-            programs.append(program)
-            trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
-            first = needed is None
-            if first:  # the largest blocks: the unplanned program
-                self.baseline_peak_bytes = trace.peak_device_bytes
-                self.baseline_trace = trace
-                budget = self.runtime.resolve_budget(trace.peak_device_bytes)
-                unplanned_need = trace.min_budget_bytes
-                apart = apart_trace = None
-                has_cut = self.updates_cut(self.model, self.schedule) is not None
-                # Nothing recomputed, in the largest blocks as recompute plans lower them.
-                unrecomputed = None if has_cut else (program, trace)
-                if budget is not None and unplanned_need > budget and has_cut:
-                    # The state updates in a block of their own: one cut, nothing recomputed
-                    # or swapped. Replayed where it may fit (it frees at most the new state's
-                    # bytes) and while the estimator collects the need plans start from.
-                    new_state = sum(infos[n].nbytes for n in self.graph.state_pairs.values() if n in infos)
-                    if unplanned_need - new_state <= budget or (recompute_allowed and self.recompute.collecting):
-                        apart = self.lower_updates_apart(self.model, infos, self.schedule)
-                        apart_trace = simulate_program(apart, infos, alignment=self.runtime.device.alignment)
-                        unplanned_need = min(unplanned_need, apart_trace.min_budget_bytes)
-                        unrecomputed = (apart, apart_trace)
-                if recompute_allowed and budget is not None:
-                    # A recompute plan made for a similar input size, if this one needs it and it
-                    # fits (Mimose's plan cache): no block-size search, no planning.
-                    reused = self.recompute.reuse(infos, budget, unplanned_fits=unplanned_need <= budget)
-                    if reused is not None:
-                        needed = unplanned_need
-                        model, infos, chosen, recomputed = reused
-                        break
-            needed = trace.min_budget_bytes if needed is None else min(needed, trace.min_budget_bytes)
-            if budget is None or trace.min_budget_bytes <= budget:
-                chosen = (program, trace, (), program, None)
-                break
-            if first and apart_trace is not None:
-                needed = min(needed, apart_trace.min_budget_bytes)
-                if apart_trace.min_budget_bytes <= budget:
-                    chosen, updates_apart = (apart, apart_trace, (), apart, None), True
-                    break
-            if first and recompute_allowed:
-                # Recompute in large blocks before smaller blocks without it: on this CPU every
-                # cut costs more than the recomputation (README, "How it works", recompute).
-                break
-        if chosen is not None and not recomputed and not updates_apart and len(chosen[0].blocks) > len(programs[0].blocks):
-            # Cut into N-node blocks everywhere it fits; cut only where memory is tight it may
-            # fit with fewer, larger (faster) blocks.
-            program, trace = self.fewest_blocks(self.model, infos, self.schedule, budget, chosen[0], chosen[1])
-            chosen = (program, trace, (), program, None)
-        if chosen is None and recompute_allowed and "swap" in self.passes:
-            model, infos, chosen, recomputed, needed = self._choose_recompute_or_swap(infos, budget, needed)
-        elif chosen is None and recompute_allowed:
-            model, infos, programs, chosen, recomputed, needed = self.recompute.plan(infos, budget, programs, needed,
-                                                                                     unrecomputed=unrecomputed)
-        elif chosen is None and "swap" in self.passes:
-            chosen, needed, _ = self._plan_swaps(programs, infos, budget, model)
-        split_nodes, split_plan, bottleneck = 0, None, ""
-        if chosen is None and "split" in self.passes and budget is not None and self.swap_points is None:
-            # Swap and recompute alone cannot: split the ops that do not fit (TSPLIT), swap the rest.
-            split = self._plan_split(input_infos, probe_feeds, infos, budget, needed)
-            if isinstance(split, Bottleneck):
-                # The minimum stated stays the one that plans without splits: the walk stops at
-                # the first op no split fits, so it cannot say what a split plan would need.
-                where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
-                bottleneck = f" (splitting stops at {where}: {split.reason})"
-            else:
-                model, infos, chosen, split_nodes, split_plan = split
-                recomputed = 0
-        if chosen is None:
-            offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
-                       for p in ("recompute", "swap", "split") if p in self.passes]
-            how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
-            raise BudgetTooSmallError(
-                f"budget {format_bytes(budget)} is below the {format_bytes(needed)} ({needed} bytes) "
-                f"{self.graph.name} needs {how}; raise the budget to at least that{bottleneck}",
-                needed_bytes=needed,
-                budget_bytes=budget,
-            )
-        if recompute_allowed and budget is not None:
-            self.recompute.observe(infos, unplanned_need)
-        program, trace, applied, base, plan = chosen
-        return PreparedStep(signature, infos, program, trace, applied, base, plan, model=model,
-                            recomputed_nodes=recomputed, split_nodes=split_nodes, split_plan=split_plan)
+        """What ``prepare`` does for a signature not seen before: plan, or say what budget would do."""
+        plan = self.planner.plan(input_infos, probe_feeds=probe_feeds, resolve_budget=self.runtime.resolve_budget)
+        if isinstance(plan, Infeasible):
+            raise BudgetTooSmallError(describe_infeasible(plan, self.graph.name), needed_bytes=plan.needed_bytes,
+                                      budget_bytes=plan.budget_bytes)
+        choice = plan.choice
+        return PreparedStep(signature, plan.infos, choice.program, choice.trace, choice.passes, choice.base,
+                            choice.swap_plan, model=plan.model, recomputed_nodes=plan.recomputed_nodes,
+                            split_nodes=plan.split_nodes, split_plan=plan.split_plan)
 
-    def lower_program(self, model: onnx.ModelProto, infos, schedule, *, max_block_nodes: int, extra_cuts=()) -> Program:
-        """``model`` (this graph, or a rewrite of it) lowered for these shapes."""
-        return lower(
-            model, infos, state_pairs=self.graph.state_pairs, data_inputs=self.graph.data_inputs,
-            fetches=self.fetches, max_block_nodes=max_block_nodes, schedule=schedule, swap_points=self.swap_points,
-            extra_cuts=extra_cuts, alignment=self.runtime.device.alignment, io=self.node_io_of(model),
-        )
+    # The planner's state, read by the trainer, the report and the benchmarks.
+    @property
+    def recompute(self):
+        return self.planner.recompute
 
-    def node_io_of(self, model: onnx.ModelProto):
-        """The model's :func:`~graph_passes.ir.liveness.node_io`, read once per model: a plan's
-        graph is lowered at every new size and for every block layout tried. Keyed by identity
-        (protobuf messages take no weak references), holding the model so its id stays unique;
-        the runner's models are not edited once made (passes return new ones)."""
-        entry = self._node_io_of.get(id(model))
-        if entry is None or len(entry[1]) != len(model.graph.node):
-            entry = self._node_io_of[id(model)] = (model, node_io(model.graph.node))
-        return entry[1]
+    @property
+    def baseline_peak_bytes(self) -> int | None:
+        return self.planner.baseline_peak_bytes
 
-    def updates_cut(self, model: onnx.ModelProto, schedule) -> int | None:
-        """The schedule position where ``model``'s state updates begin, if they trail its
-        backward (:func:`graph_passes.planning.schedule.updates_start`); None where they do not, for a
-        graph without gradients, or where the blocks are fixed (by the device's block size or
-        the graph's swap nodes). Read once per model, as :meth:`node_io_of`."""
-        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
-            return None
-        entry = self._updates_cut_of.get(id(model))
-        if entry is None:
-            spine = training_spine(self.graph.roles, self.graph.state_pairs, [o.name for o in model.graph.output])
-            cut = None if spine is None else updates_start(model, spine, self.graph.state_pairs.values(), schedule,
-                                                          io=self.node_io_of(model))
-            entry = self._updates_cut_of[id(model)] = (model, cut)
-        return entry[1]
+    @property
+    def baseline_trace(self) -> MemoryTrace | None:
+        return self.planner.baseline_trace
 
-    def lower_updates_apart(self, model: onnx.ModelProto, infos, schedule) -> Program | None:
-        """``model`` in its largest blocks with the state updates in a block of their own, or
-        None where they do not trail the backward. A block's outputs are allocated when it
-        starts: with the updates in the backward's block, the new parameters and optimizer
-        moments take arena room while every activation is live; cut off, they are allocated
-        after the backward has freed them. BERT small: ~27 MiB less at any length (the
-        parameters and both AdamW moments, less the gradients the cut passes on), and no
-        measurable step time once both large blocks spin (see :meth:`session`); a budgeted
-        plan tries it before recomputing anything and plans recomputation on it."""
-        cut = self.updates_cut(model, schedule)
-        return None if cut is None else self.lower_with_cuts(model, infos, schedule, (cut,))
+    @property
+    def last_choice(self) -> list[tuple[str, float]]:
+        return self.planner.last_choice
 
-    def lower_with_cuts(self, model: onnx.ModelProto, infos, schedule, cuts) -> Program:
-        """``model`` in blocks cut only at these schedule positions (and around order-dependent
-        nodes, which always get blocks of their own)."""
-        return self.lower_program(model, infos, schedule, max_block_nodes=max(len(model.graph.node), 1),
-                                  extra_cuts=cuts)
-
-    def simulated_time(self, program: Program, infos, model: onnx.ModelProto, budget: int) -> float:
-        """Step time of ``program`` simulated on the planning profile."""
-        profile = self.runtime.planning_profile()
-        return simulate_time(program, infos, model=model, cost_model=AnalyticalCostModel(profile), profile=profile,
-                             budget=budget, alignment=self.runtime.device.alignment).step_time_s
-
-    def lowerings(self, model: onnx.ModelProto, infos, schedule):
-        """``model`` lowered with each candidate block size, largest first (lazily)."""
-        for block_nodes in block_size_candidates(len(model.graph.node), self.runtime.device.max_block_nodes):
-            yield self.lower_program(model, infos, schedule, max_block_nodes=block_nodes)
-
-    def fewest_fitting_blocks(self, model, infos, schedule, budget: int, *, max_blocks: int | None = None,
-                              tried: list[Program] | None = None):
-        """(program, trace) of ``model`` in its fewest blocks that fit ``budget``: the first
-        uniform lowering that fits (largest blocks first), or the memory-aware partition where
-        that has fewer blocks. None if nothing fits or, with ``max_blocks``, as soon as it is
-        clear nothing fits in that many (uniform lowerings only get finer, and the partition
-        stops past it). ``tried`` collects the uniform lowerings checked."""
-        for program in self.lowerings(model, infos, schedule):
-            if max_blocks is not None and len(program.blocks) > max_blocks:
-                return self.fitted_blocks(model, infos, schedule, budget, max_blocks=max_blocks)
-            if tried is not None:
-                tried.append(program)
-            trace = simulate_program(program, infos, alignment=self.runtime.device.alignment)
-            if trace.min_budget_bytes <= budget:
-                return self.fewest_blocks(model, infos, schedule, budget, program, trace)
-        return None
-
-    def fewest_blocks(self, model, infos, schedule, budget: int, program: Program, trace: MemoryTrace):
-        """``program`` (a uniform lowering that fits ``budget``), or a memory-aware partition
-        of the same graph (:func:`graph_passes.planning.partition.fit_blocks`) if it fits with fewer
-        blocks."""
-        refined = self.fitted_blocks(model, infos, schedule, budget)
-        if refined is not None and len(refined[0].blocks) < len(program.blocks):
-            return refined
-        return program, trace
-
-    def fitted_blocks(self, model, infos, schedule, budget: int, *, max_blocks: int | None = None):
-        """(program, trace) of the memory-aware partition (:func:`graph_passes.planning.partition.fit_blocks`)
-        if it fits ``budget`` in at most ``max_blocks`` blocks; None if not, or where the block
-        size is fixed (by the user, or by the graph's swap nodes)."""
-        if self.runtime.device.max_block_nodes is not None or self.swap_points is not None:
-            return None
-        order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
-        position_of = {node: position for position, node in enumerate(order)}
-        return fit_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), infos, budget=budget,
-                          position_of=position_of, alignment=self.runtime.device.alignment, max_blocks=max_blocks)
-
-    def _choose_recompute_or_swap(self, infos, budget: int, needed: int):
-        """Where recompute and swap are both allowed: plan recompute alone
-        (or as far as it goes, then swap), swap alone, and the segments cheaper to recompute
-        than to copy (:mod:`graph_passes.planning.offload_choice`) recomputed with the rest swapped; the
-        fastest in simulation on the planning profile wins. Returns (model, infos, chosen or
-        None, clone count, least budget); ``self.last_choice`` lists the candidates."""
-        profile = self.runtime.planning_profile()
-        candidates = []  # (label, simulated seconds, model, infos, chosen, clones)
-
-        def with_swaps(label, model, model_infos, programs, clones):
-            nonlocal needed
-            swapped, least, seconds = self._plan_swaps(programs, model_infos, budget, model)
-            needed = min(needed, least)
-            if swapped is not None:
-                applied = ("recompute", "swap") if clones else ("swap",)
-                candidates.append((label, seconds, model, model_infos, (*swapped[:2], applied, *swapped[3:]), clones))
-
-        r_model, r_infos, r_programs, r_chosen, r_clones, least = self.recompute.plan(infos, budget, [], needed)
-        needed = min(needed, least)
-        if r_chosen is not None:
-            seconds = self.simulated_time(r_chosen[0], r_infos, r_model, budget)
-            candidates.append(("recompute", seconds, r_model, r_infos, r_chosen, r_clones))
-        else:
-            with_swaps("recompute all, swap the rest", r_model, r_infos, r_programs, r_clones)
-        with_swaps("swap", self.model, infos, list(self.lowerings(self.model, infos, self.schedule)), 0)
-        segments = self.recompute.segments(infos)
-        costs = segment_costs(segments, self.model, infos, cost_model=AnalyticalCostModel(profile), profile=profile)
-        saving = len([s for s in segments if s.saved_bytes > 0])
-        for cheap in dict.fromkeys(recompute_first(costs, ratio) for ratio in RATIOS):
-            if cheap and len(cheap) < saving:
-                m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
-                m_infos = recomputed_infos(infos, m_model)
-                with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest", m_model, m_infos,
-                           list(self.lowerings(m_model, m_infos, m_schedule)), m_clones)
-        self.last_choice = [(label, seconds) for label, seconds, *_ in candidates]
-        self.last_segment_costs = costs
-        if not candidates:
-            return self.model, infos, None, 0, needed
-        label, seconds, model, model_infos, chosen, clones = min(candidates, key=lambda c: c[1])
-        if label != "recompute":
-            self.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
-        logger.info("recompute or swap for %s on %s: %s (%s)", self.graph.name, profile.name, label,
-                    ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
-        return model, model_infos, chosen, clones, needed
-
-    def _plan_split(self, input_infos, probe_feeds, infos, budget: int, needed: int):
-        """Split the ops too large for the budget (:class:`graph_passes.planning.split.planner.JointPlanner`),
-        then plan swaps on the split graph (or, without the swap pass, the lowering that fits).
-        Returns (model, infos, chosen, split node count, JointPlan), or the Bottleneck."""
-        profile = self.runtime.planning_profile()
-
-        def lower_fine(model, model_infos):
-            return self.lower_program(model, model_infos, order_dependent_last(model), max_block_nodes=1)
-
-        def infer(model):
-            return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
-
-        # Planning for the machine the step runs on: the op and its micro-ops are profiled here
-        # (Eq. 6 from measured kernels); for another device's profile, the roofline estimates.
-        measure = self.runtime.device.kind == "cpu" and self.runtime.device.planning_profile is None
-        planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(profile),
-                               alignment=self.runtime.device.alignment, measure=measure)
-        result = planner.plan(self.model, infos, budget)
-        if isinstance(result, Bottleneck):
-            logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", self.graph.name, result.op_type,
-                        result.node, result.needed_bytes, result.reason)
-            return result
-        model, _ = write_split_plan(self.model, result.split, infos, cut=Cut.SPLIT)
-        split_infos = infer(model)
-        schedule = order_dependent_last(model)
-        programs = list(self.lowerings(model, split_infos, schedule))
-        chosen = None
-        if "swap" in self.passes:
-            chosen, least, _ = self._plan_swaps(programs, split_infos, budget, model)
-        else:
-            for program in programs:
-                trace = simulate_program(program, split_infos, alignment=self.runtime.device.alignment)
-                if trace.min_budget_bytes <= budget:
-                    chosen = (program, trace, (), program, None)
-                    break
-        if chosen is None:
-            return Bottleneck("", "", budget + 1, "the split graph has no program within the budget"
-                              + ("" if "swap" in self.passes else " without swapping"))
-        chosen = (chosen[0], chosen[1], ("split", *chosen[2]), *chosen[3:])
-        logger.info("split plan for %s: %d ops split, %d nodes added", self.graph.name, len(result.choices),
-                    split_node_count(model))
-        return model, split_infos, chosen, split_node_count(model), result
-
-    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
-        """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
-        the device's planning profile), the least budget any of them needs, and the plan's
-        simulated step time; (None, least budget, None) if none fits.
-
-        Where copies overlap compute, the same graph is also planned with its state updates
-        run as soon as their gradients exist (:func:`graph_passes.planning.schedule.updates_early`:
-        the optimizer's compute then hides the backward's swap-ins), and the faster of the two
-        schedules wins."""
-        profile = self.runtime.planning_profile()
-        best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
-        if profile.copies_overlap_compute and self.swap_points is None:
-            best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
-        if best is None:
-            return None, needed, None
-        return best[0], needed, best[1]
-
-    def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):
-        """``best`` ((chosen, seconds) or None) against the plan of the same graph with its
-        state updates early; the faster, and the least budget of both."""
-        base = [i for block in programs[0].blocks for i in block.node_indices]
-        spine = training_spine(self.graph.roles, self.graph.state_pairs, [o.name for o in model.graph.output])
-        early = updates_early(model, spine, base) if spine is not None else None
-        if early is not None:
-            early_programs = list(self.lowerings(model, infos, early))
-            other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
-            needed = min(needed, other_needed)
-            if other is not None and (best is None or other[1] < best[1]):
-                logger.info("swap plan for %s: state updates early (%.3g s simulated) over the given order (%s)",
-                            self.graph.name, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
-                best = other
-        return best, needed
-
-    def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
-        """:meth:`_plan_swaps` for one schedule (``programs``: lowerings of it): ((chosen,
-        seconds) or None, least budget)."""
-        alignment = self.runtime.device.alignment
-        sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
-        needed = min(required_bytes(program, sizes) for program in programs)
-        if needed <= budget and self.runtime.device.max_block_nodes is None and self.swap_points is None:
-            # Besides N-node blocks everywhere: blocks cut only where one alone would not fit.
-            order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
-
-            refined = refine_blocks(lambda cuts: self.lower_with_cuts(model, infos, schedule, cuts), lambda p: (blocks_over(p, sizes, budget), None),
-                                    position_of={node: k for k, node in enumerate(order)})
-            if refined is not None and all(len(refined[0].blocks) < len(p.blocks) for p in programs
-                                           if required_bytes(p, sizes) <= budget):
-                programs = [refined[0], *programs]
-        profile = self.runtime.planning_profile()
-
-        def step_time(program: Program) -> float:
-            return self.simulated_time(program, infos, model, budget)
-
-        if profile.copies_overlap_compute:
-            # Smaller blocks let copies start sooner: go on down the block sizes while they
-            # keep getting faster.
-            search = SwapSearch(while_improving=True)
-        else:
-            # Copies cost the compute's own cores whenever they run (the CPU device): nothing to
-            # overlap, so Belady's own plan, with evictions where memory needs them, measured
-            # fastest here (benchmarks/swap.py); only the block size is searched.
-            search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
-        result = search.search(programs, infos, budget=budget, evaluate=step_time, alignment=alignment)
-        if result is None:
-            return None, needed
-        best = result.best
-        logger.info(
-            "swap plan for %s on %s: %d blocks, state on host %r, %d swaps, %s out / %s in per step",
-            self.graph.name, profile.name, len(best.base_program.blocks), best.state_placement, best.plan.swap_count,
-            format_bytes(best.plan.swap_out_bytes), format_bytes(best.plan.swap_in_bytes),
-        )
-        return ((best.program, best.trace, ("swap",), best.base_program, best.plan), best.step_time_s), needed
+    @property
+    def last_segment_costs(self) -> list:
+        return self.planner.last_segment_costs
 
     def prepared_steps(self) -> list[PreparedStep]:
         """Every program prepared so far (one per input signature)."""

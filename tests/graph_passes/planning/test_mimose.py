@@ -129,7 +129,7 @@ def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it(monkeypat
     clones more (it adds one segment at a time); the plan of the larger size is checked there
     and taken (fewer clones, no more blocks), so recomputation never grows as the length falls;
     within budget and bitwise equal."""
-    import ort_offload.runtime.recompute_planning as planning
+    import graph_passes.planning.recompute.signatures as planning
 
     taken = []  # sizes where the plan of a larger size replaced the new one
     original = planning.RecomputePlanning._cheaper_from_larger_size
@@ -162,7 +162,7 @@ def test_a_larger_size_skips_the_largest_blocks_once_every_segment_exceeded_them
     large, the same budget) the bucket rule is not replayed there, only with single-node
     blocks. The plan is the one made when 240's outcome is not remembered; within budget and
     bitwise equal to unplanned."""
-    import ort_offload.runtime.recompute_planning as planning
+    import graph_passes.planning.recompute.signatures as planning
 
     rules = []  # one entry per run of the bucket rule
 

@@ -140,7 +140,7 @@ def test_a_budget_met_by_cutting_off_the_updates_runs_without_swaps_and_bitwise_
     feeds = feeds_for(graph)
     ref_losses, ref_state, ref_runtime, ref_prepared = _run(graph, feeds, None)
     runner = GraphRunner(ref_runtime, graph, fetches=["loss"], passes=("swap",))
-    apart = runner.lower_updates_apart(runner.model, ref_prepared.infos, runner.schedule)
+    apart = runner.planner.layouts.lower_updates_apart(runner.model, ref_prepared.infos, runner.schedule)
     apart_need = simulate_program(apart, ref_prepared.infos, alignment=ref_runtime.device.alignment).min_budget_bytes
     assert apart_need < ref_prepared.trace.min_budget_bytes  # the new state no longer meets the activations
     losses, state, runtime, prepared = _run(graph, feeds, apart_need)
@@ -179,9 +179,10 @@ def test_a_gpu_plan_takes_updates_early_when_faster_and_runs_bitwise_equal():
     runtime, runner, prepared = _plan(graph, feeds, budget, "V100-16GB-PCIe3")
     assert prepared.swap_plan is not None
     # The plan of the exported order alone, as the search made it before.
-    programs = list(runner.lowerings(runner.model, prepared.infos, runner.schedule))
-    default, _ = runner._plan_swaps_for(programs, prepared.infos, budget, runner.model, runner.schedule)
-    chosen_s = runner.simulated_time(prepared.program, prepared.infos, runner.model, budget)
+    layouts = runner.planner.layouts
+    programs = list(layouts.lowerings(runner.model, prepared.infos, runner.schedule))
+    default, _ = runner.planner._plan_swaps_for(programs, prepared.infos, budget, runner.model, runner.schedule)
+    chosen_s = layouts.simulated_time(prepared.program, prepared.infos, runner.model, budget)
     assert default is not None and chosen_s < default[1]
     # The chosen program runs an update before the backward is over.
     order = [i for block in prepared.program.blocks for i in block.node_indices]

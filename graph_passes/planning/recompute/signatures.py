@@ -1,7 +1,7 @@
-"""Recompute planning across input signatures: what a :class:`~ort_offload.runtime.runner.GraphRunner`
-does when a new input shape needs recomputation to fit its budget (Mimose).
+"""Recompute planning across input signatures: what the step planner does when a new input
+shape needs recomputation to fit its budget (Mimose).
 
-One graph with a dynamic sequence (and batch) axis serves every input size. Per runner this
+One graph with a dynamic sequence (and batch) axis serves every input size. Per graph this
 module keeps what does not depend on the size (the forward segments, found once; the rewritten
 graph of each segment set, whose block sessions serve every size the plan is used at) and what
 is learned across sizes (the per-layer memory estimator, the plan cache). For a new signature
@@ -12,7 +12,7 @@ whose unplanned graph does not fit:
    boundaries, replayed through the arena. If it fits, it is used (a reuse, no planning).
 2. **New plan**, first with the graph in its largest blocks (on this CPU a block cut costs more
    than recomputation), the state updates in a block of their own where they trail the
-   backward (:meth:`~ort_offload.runtime.runner.GraphRunner.lower_updates_apart`: the runner tries
+   backward (:meth:`~graph_passes.planning.blocks.BlockLayouts.lower_updates_apart`: the planner tries
    that cut alone before planning; a plan's new state then never meets its activations).
    While the estimator is fitting (the first sizes), the bucket rule starts from what this
    size's exact saved bytes and replayed need choose and continues with the excess measured by
@@ -50,20 +50,20 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 from graph_passes.cost.cost_model import AnalyticalCostModel
-from graph_passes.ir.memory import simulate_program
+from graph_passes.formatting import format_bytes
 from graph_passes.planning.recompute.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.planning.recompute.planner import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
 from graph_passes.planning.recompute.graph_pass import clone_sources, recomputed_infos, write_recompute_plan
 from graph_passes.planning.recompute.selective import selective_units
-from ort_offload.budget import format_bytes
-from ort_offload.runtime.offload_device import RECOMPUTE_POLICIES
+from graph_passes.planning.blocks import BlockLayouts
+from graph_passes.planning.choice import ProgramChoice, RewriteOutcome
 
-if TYPE_CHECKING:
-    from ort_offload.runtime.runner import GraphRunner
+# How plans follow the input size: "input_aware" (Mimose: a plan per size bucket) or "static"
+# (the first plan serves every size it fits).
+RECOMPUTE_POLICIES = ("input_aware", "static")
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +98,13 @@ class RecomputeStats:
 
 
 class RecomputePlanning:
-    """Recompute plans for one runner's graph, across input signatures."""
+    """Recompute plans for one graph, across input signatures."""
 
-    def __init__(self, runner: "GraphRunner", *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES,
+    def __init__(self, layouts: BlockLayouts, *, policy: str = "input_aware", fit_sizes: int = FIT_SIZES,
                  selective: bool = True) -> None:
         if policy not in RECOMPUTE_POLICIES:  # set_offload_device checks it too; this class is usable alone
             raise ValueError(f"unknown recompute policy {policy!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
-        self.runner = runner
+        self.layouts = layouts
         self.policy = policy
         self.cache: PlanCache[CachedPlan] = PlanCache(None if policy == "static" else CACHE_GRANULARITY)
         self.fit_sizes = fit_sizes
@@ -125,7 +125,7 @@ class RecomputePlanning:
 
     def segments(self, infos) -> list[Segment]:
         """The forward segments (found at the first size), with this size's saved bytes."""
-        model, loss = self.runner.model, self.runner.graph.loss_name
+        model, loss = self.layouts.target.model, self.layouts.target.graph.loss_name
         if self._layout is None:
             self._layout = [(s.nodes, s.saved) for s in forward_segments(model, infos, loss_name=loss)]
             self.estimator = LayerMemoryEstimator(len(self._layout), fit_sizes=self.fit_sizes)
@@ -138,8 +138,8 @@ class RecomputePlanning:
         without ``selective``."""
         segments = self.segments(infos)
         if self._unit_layout is None:
-            cost_model = AnalyticalCostModel(self.runner.runtime.planning_profile())
-            found = selective_units(segments, self.runner.model, infos, cost_model=cost_model,
+            cost_model = AnalyticalCostModel(self.layouts.target.profile())
+            found = selective_units(segments, self.layouts.target.model, infos, cost_model=cost_model,
                                     first_index=len(segments)) if self.selective else []
             self._unit_layout = [(u.nodes, u.saved, u.within) for u in found]
         return [Segment(len(segments) + k, nodes, saved, sum(infos[n].nbytes for n in saved if n in infos), within)
@@ -165,8 +165,8 @@ class RecomputePlanning:
         recomputed (``key`` as :meth:`key_of` gives it)."""
         if key not in self._rewritten:
             plan = RecomputePlan(tuple(segments[k] for k in key))
-            model, clones = write_recompute_plan(self.runner.model, plan, loss_name=self.runner.graph.loss_name)
-            self._rewritten[key] = (model, order_dependent_last(model, self.runner.node_io_of(model)), clones)
+            model, clones = write_recompute_plan(self.layouts.target.model, plan, loss_name=self.layouts.target.graph.loss_name)
+            self._rewritten[key] = (model, order_dependent_last(model, self.layouts.node_io_of(model)), clones)
             self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]
 
@@ -177,13 +177,12 @@ class RecomputePlanning:
 
     # ---- planning ---------------------------------------------------------------------------
 
-    def reuse(self, infos, budget: int, *, unplanned_fits: bool):
-        """A cached plan of a similar size, checked at this size: (model, infos, chosen, clone
-        count) if it fits ``budget``, else None. Input-aware, only where the unplanned graph
+    def reuse(self, infos, budget: int, *, unplanned_fits: bool) -> RewriteOutcome | None:
+        """A cached plan of a similar size, checked at this size, if it fits ``budget``, else None. Input-aware, only where the unplanned graph
         does not fit (``unplanned_fits``); static, always (the fixed plan is the program)."""
         if self._layout is None or (unplanned_fits and self.policy != "static"):
             return None
-        size = input_size(infos, self.runner.graph.data_inputs)
+        size = input_size(infos, self.layouts.target.graph.data_inputs)
         cached = self.cache.get(size)
         if cached is None:
             return None
@@ -196,7 +195,8 @@ class RecomputePlanning:
                         "planning anew", len(cached.segments), format_bytes(trace.min_budget_bytes), size)
             return None
         self.stats.reuses += 1
-        return model, model_infos, (program, trace, ("recompute",), program, None), clones
+        return RewriteOutcome(model, model_infos, ProgramChoice(program, trace, ("recompute",)), clones,
+                              trace.min_budget_bytes, (program,))
 
     def _largest_blocks_known_exceeded(self, dims: tuple[int, ...], budget: int) -> bool:
         """Whether every segment recomputed did not fit the largest blocks at data input
@@ -217,161 +217,138 @@ class RecomputePlanning:
 
     def _lowered_with_cuts(self, model, schedule, model_infos, cuts):
         """(program, memory trace) of a rewritten graph in the block layout ``cuts``."""
-        program = self.runner.lower_with_cuts(model, model_infos, schedule, cuts)
-        return program, simulate_program(program, model_infos, alignment=self.runner.runtime.device.alignment)
+        program = self.layouts.lower_with_cuts(model, model_infos, schedule, cuts)
+        return program, self.layouts.trace(program, model_infos)
 
     def forget(self, infos) -> None:
-        """Drop the cached plan of this input size's bucket (a plan the runner did not take)."""
-        self.cache.discard(input_size(infos, self.runner.graph.data_inputs))
+        """Drop the cached plan of this input size's bucket (a plan the step planner did not take)."""
+        self.cache.discard(input_size(infos, self.layouts.target.graph.data_inputs))
 
     def observe(self, infos, unplanned_need: int) -> None:
-        """Feed a new input size to the estimator (the runner calls this once per signature):
+        """Feed a new input size to the estimator (the step planner calls this once per signature):
         the layers' saved bytes, exact from shapes, and the least budget of the unplanned
-        graph in the largest blocks plans start from (``unplanned_need``, from the runner's
+        graph in the largest blocks plans start from (``unplanned_need``, from the planner's
         replays: the state updates cut off where that needs less), as
         Mimose's collector does for the first sizes. Once fitted, the estimator only records
         its error here."""
         segments = self.segments(infos)
-        size = input_size(infos, self.runner.graph.data_inputs)
+        size = input_size(infos, self.layouts.target.graph.data_inputs)
         self.estimator.observe(size, [s.saved_bytes for s in segments], None if self.estimator.ready else unplanned_need)
 
-    def plan(self, infos, budget: int, programs: list[Program], needed: int, *, unrecomputed=None):
+    def plan(self, infos, budget: int, programs: list[Program], needed: int, *, unrecomputed=None) -> RewriteOutcome:
         """Recompute forward segments until the graph fits ``budget`` (or, with swap also
-        allowed, as far as recompute goes). Returns (model, infos, lowered programs, chosen or
-        None, clone count, least budget); ``chosen`` is what ``GraphRunner.prepare`` takes.
-        ``unrecomputed``: (program, memory trace) of the graph with nothing recomputed in the
-        largest blocks as plans lower them, where the caller has it.
+        allowed, as far as recompute goes). ``programs``: the unrewritten graph's lowerings
+        tried so far; ``needed``: the least budget seen; ``unrecomputed``: (program, memory
+        trace) of the graph with nothing recomputed in the largest blocks, where the caller has it.
 
         First in the largest blocks (what runs fastest here: every cut costs more than the
-        recomputation it saves, see the README): the bucket rule picks segments until the
-        rewritten graph fits in them, measured by replay, starting from the estimator's plan
-        once it is fitted. Only if recomputing everything does not fit there: the same rule
-        with single-node blocks, then whichever of that plan and everything recomputed fits in
-        fewer blocks. Every plan starts from the segments' cheap units (selective
-        recomputation); the rule picks whole segments, each counted for what its units do not
-        already free."""
-        runner = self.runner
-        alignment = runner.runtime.device.alignment
-        layers = self.segments(infos)
-        units = self.units(infos)
-        segments = layers + units  # what plan keys index
-        unit_bytes = [sum(u.saved_bytes for u in units if u.within == s.index) for s in layers]
-        picking = [dataclasses.replace(s, saved_bytes=s.saved_bytes - unit_bytes[s.index]) for s in layers]
-        size = input_size(infos, runner.graph.data_inputs)
-        model_infos_of: dict[tuple[int, ...], dict] = {}
-        traced: dict[tuple[tuple[int, ...], bool], tuple[Program, object]] = {}
-
-        def model_infos(key):
-            if key not in model_infos_of:
-                model_infos_of[key] = self.infos_for(key, segments, infos)
-            return model_infos_of[key]
-
-        def lowered(key, finest: bool):
-            """(program, memory trace) of these segments recomputed, in the largest blocks (the
-            state updates cut off where they trail the backward) or in single-node blocks (the
-            least budget any block size gives)."""
-            if (key, finest) not in traced:
-                model, schedule, _ = self.rewrite(key, segments)
-                if finest:
-                    blocks = runner.runtime.device.max_block_nodes or 1
-                    program = runner.lower_program(model, model_infos(key), schedule, max_block_nodes=blocks)
-                else:
-                    program = (runner.lower_updates_apart(model, model_infos(key), schedule)
-                               or next(iter(runner.lowerings(model, model_infos(key), schedule))))
-                traced[(key, finest)] = (program, simulate_program(program, model_infos(key), alignment=alignment))
-            return traced[(key, finest)]
-
-        def need(finest: bool):
-            return lambda plan: lowered(self.key_of(plan), finest)[1].min_budget_bytes
-
-        if unrecomputed is not None:  # an empty plan rewrites no node
-            model_infos_of[()] = infos
-            traced[((), False)] = unrecomputed
-
+        recomputation it saves): the bucket rule picks segments until the rewritten graph fits
+        in them, measured by replay, starting from the estimator's plan once it is fitted. Only
+        if recomputing everything does not fit there: the same rule with single-node blocks,
+        then whichever of that plan and everything recomputed fits in fewer blocks. Every plan
+        starts from the segments' cheap units (selective recomputation)."""
+        at = _SizePlanning(self, infos, budget, unrecomputed)
         self.stats.plans += 1
+        result = self._plan_in_largest_blocks(at, needed)
+        if isinstance(result, RecomputePlan):
+            key = self.key_of(result)
+            program, trace = at.lowered(key, False)
+        else:  # not in the largest blocks: the least recompute that fits in single-node blocks
+            found = self._plan_in_fewest_blocks(at, programs, needed)
+            if isinstance(found, RewriteOutcome):
+                return found
+            key, program, trace = found
+        return self._settle(at, key, program, trace)
+
+    def _plan_in_largest_blocks(self, at: "_SizePlanning", needed: int):
+        """The bucket rule in the largest blocks, from the estimator's plan (or this size's exact
+        bytes while it collects); None where this is known not to fit, NoRecomputePlan where it
+        does not."""
         start_time = time.perf_counter()
         if self.estimator.ready:
-            layer_bytes, need_bytes = self.estimator.predict_layers(size), self.estimator.predict_need(size)
+            layer_bytes, need_bytes = self.estimator.predict_layers(at.size), self.estimator.predict_need(at.size)
         else:
             # While the estimator collects its sizes: this size's own bytes, exact from shapes,
-            # and the unplanned need just replayed. The rule then starts near the plan instead
-            # of replaying its way there one segment at a time (~0.5 s at the first sizes).
-            layer_bytes, need_bytes = [s.saved_bytes for s in layers], needed
+            # and the unplanned need just replayed, so the rule starts near the plan.
+            layer_bytes, need_bytes = [s.saved_bytes for s in at.layers], needed
         credit = self.credit()
-        first = plan_from_estimates([credit * (b - u) for b, u in zip(layer_bytes, unit_bytes)],
-                                    need_bytes - budget - credit * sum(unit_bytes))
+        first = plan_from_estimates([credit * (b - u) for b, u in zip(layer_bytes, at.unit_bytes)],
+                                    need_bytes - at.budget - credit * sum(at.unit_bytes))
         if self.estimator.ready:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
             self.stats.estimated_plan_times_s.append(self.stats.plan_times_s[-1])
             self.stats.estimated_plans += 1
-        dims = tuple(d for name in runner.graph.data_inputs for d in infos[name].shape)
+        dims = tuple(d for name in self.layouts.target.graph.data_inputs for d in at.infos[name].shape)
         result: RecomputePlan | NoRecomputePlan | None = None  # None: the largest blocks not tried
-        if not self._largest_blocks_known_exceeded(dims, budget):
-            result = RecomputePlanner().plan(picking, budget, need(False), start=units + [picking[k] for k in first])
+        if not self._largest_blocks_known_exceeded(dims, at.budget):
+            result = RecomputePlanner().plan(at.picking, at.budget, at.need(False),
+                                             start=at.units + [at.picking[k] for k in first])
         if isinstance(result, NoRecomputePlan):
-            self._largest_blocks_exceeded.append((dims, budget))
-        if self.estimator.ready:
-            if isinstance(result, RecomputePlan) and len(result.segments) > len(units) + len(first):
-                self.stats.estimate_fell_short += 1
-        else:
+            self._largest_blocks_exceeded.append((dims, at.budget))
+        if not self.estimator.ready:
             self.stats.plan_times_s.append(time.perf_counter() - start_time)
+        elif isinstance(result, RecomputePlan) and len(result.segments) > len(at.units) + len(first):
+            self.stats.estimate_fell_short += 1
         if isinstance(result, RecomputePlan) and result.saved_bytes > 0:
             # How much of the recomputed segments' saved bytes came off the least budget.
-            empty = need(False)(RecomputePlan(()))
-            self._credits.append((empty - need(False)(result)) / result.saved_bytes)
+            self._credits.append((at.need(False)(RecomputePlan(())) - at.need(False)(result)) / result.saved_bytes)
         if isinstance(result, RecomputePlan) and any(s.within is not None for s in result.segments):
             # Units go first, segments after; where the segments alone fit, the units saved no
             # segment and would only cost time.
             whole = RecomputePlan(tuple(s for s in result.segments if s.within is None))
-            if need(False)(whole) <= budget:
+            if at.need(False)(whole) <= at.budget:
                 result = whole
+        return result
 
-        if isinstance(result, RecomputePlan):
+    def _plan_in_fewest_blocks(self, at: "_SizePlanning", programs: list[Program], needed: int):
+        """The least recompute that fits in single-node blocks and every segment recomputed,
+        each in a block layout it already ran with or its fewest blocks that fit: (key,
+        program, trace) of the one with fewer blocks (ties: less recomputed); a RewriteOutcome
+        without a choice where nothing fits (with swap allowed: as far as recompute goes)."""
+        target = self.layouts.target
+        result = RecomputePlanner().plan(at.layers, at.budget, at.need(True))  # segments only
+        if isinstance(result, NoRecomputePlan):
+            if "swap" not in target.passes:
+                return RewriteOutcome(target.model, at.infos, None, 0, min(needed, result.needed_bytes), tuple(programs))
+            result = RecomputePlan(tuple(at.layers))  # as far as recompute goes; swap does the rest
+        best = None  # (blocks, clones, key, program, trace)
+        candidates: list[Program] = []  # the plan's uniform lowerings, for swap to start from
+        for plan in dict.fromkeys([RecomputePlan(tuple(at.layers)), result]):
+            key = self.key_of(plan)
+            model, schedule, clones = self.rewrite(key, at.segments)
+            fitting = self._known_layout(key, model, schedule, at.model_infos(key), at.budget)
+            if fitting is None:
+                fitting = self.layouts.fewest_fitting_blocks(model, at.model_infos(key), schedule, at.budget,
+                                                             max_blocks=None if best is None else best[0],
+                                                             tried=candidates if plan == result else None)
+            if fitting is not None and (best is None or (len(fitting[0].blocks), clones) < best[:2]):
+                best = (len(fitting[0].blocks), clones, key, *fitting)
+        if best is None:  # only with swap allowed: swap does the rest
             key = self.key_of(result)
-            program, trace = lowered(key, False)
-        else:  # not in the largest blocks: the least recompute that fits in single-node blocks
-            # (Segments only: here the finest blocks, not the units, decide what fits.)
-            result = RecomputePlanner().plan(layers, budget, need(True))
-            if isinstance(result, NoRecomputePlan):
-                all_segments = RecomputePlan(tuple(layers))
-                if "swap" not in runner.passes:
-                    return runner.model, infos, programs, None, 0, min(needed, result.needed_bytes)
-                result = all_segments  # as far as recompute goes; swap does the rest
-            # Every segment recomputed (which may let larger blocks fit) and that plan, each in a
-            # block layout it already ran with or its fewest blocks that fit: fewer blocks win
-            # (ties: less recomputed). Every segment first: its block count bounds the search
-            # for the other, which cannot win with more.
-            best = None  # (blocks, clones, key, program, trace)
-            candidates: list[Program] = []  # the plan's uniform lowerings, for swap to start from
-            for plan in dict.fromkeys([RecomputePlan(tuple(layers)), result]):
-                key = self.key_of(plan)
-                model, schedule, clones = self.rewrite(key, segments)
-                fitting = self._known_layout(key, model, schedule, model_infos(key), budget)
-                if fitting is None:
-                    fitting = runner.fewest_fitting_blocks(model, model_infos(key), schedule, budget,
-                                                           max_blocks=None if best is None else best[0],
-                                                           tried=candidates if plan == result else None)
-                if fitting is not None and (best is None or (len(fitting[0].blocks), clones) < best[:2]):
-                    best = (len(fitting[0].blocks), clones, key, *fitting)
-            if best is None:  # only with swap allowed: swap does the rest
-                key = self.key_of(result)
-                model, _, clones = self.rewrite(key, segments)
-                return model, model_infos(key), candidates, None, clones, min(needed, need(True)(result))
-            _, _, key, program, trace = best
-        model, schedule, clones = self.rewrite(key, segments)
+            model, _, clones = self.rewrite(key, at.segments)
+            return RewriteOutcome(model, at.model_infos(key), None, clones, min(needed, at.need(True)(result)),
+                                  tuple(candidates))
+        return best[2:]
+
+    def _settle(self, at: "_SizePlanning", key, program: Program, trace) -> RewriteOutcome:
+        """The plan for this size (or a cheaper one made at a larger size), cached with its
+        block layout."""
+        model, schedule, clones = self.rewrite(key, at.segments)
         cuts = _block_starts(program, schedule, len(model.graph.node))
-        cheaper = self._cheaper_from_larger_size(size, segments, clones, len(program.blocks), model_infos, budget)
+        cheaper = self._cheaper_from_larger_size(at.size, at.segments, clones, len(program.blocks), at.model_infos,
+                                                 at.budget)
         if cheaper is not None:
             key, cuts, program, trace = cheaper
-            model, schedule, clones = self.rewrite(key, segments)
-        self._made[size] = made = CachedPlan(key, cuts)
-        self.cache.put(size, made)
+            model, schedule, clones = self.rewrite(key, at.segments)
+        self._made[at.size] = made = CachedPlan(key, cuts)
+        self.cache.put(at.size, made)
         self._layouts.setdefault(key, set()).add(cuts)
+        layers = len(at.layers)
         logger.info("recompute plan for %s at input size %d: %d of %d segments (and %d units), %d nodes cloned, "
-                    "%d blocks", runner.graph.name, size, len([k for k in key if k < len(layers)]), len(layers),
-                    len([k for k in key if k >= len(layers)]), clones, len(program.blocks))
-        return model, model_infos(key), [program], (program, trace, ("recompute",), program, None), clones, \
-            trace.min_budget_bytes
+                    "%d blocks", self.layouts.target.graph.name, at.size, len([k for k in key if k < layers]), layers,
+                    len([k for k in key if k >= layers]), clones, len(program.blocks))
+        return RewriteOutcome(model, at.model_infos(key), ProgramChoice(program, trace, ("recompute",)), clones,
+                              trace.min_budget_bytes, (program,))
 
     def _cheaper_from_larger_size(self, size: int, segments, clones: int, blocks: int, model_infos, budget: int):
         """(key, cuts, program, trace) of the plan made at a larger input size with the fewest
@@ -409,6 +386,49 @@ class RecomputePlanning:
         out["saved_bytes_credit"] = self.credit()
         out["estimator_error_per_layer"] = self.estimator.error_summary() if self.estimator else []
         return out
+
+
+class _SizePlanning:
+    """One input size being planned: its segments and units, and the rewritten graphs' infos and
+    lowerings (largest or single-node blocks) computed so far."""
+
+    def __init__(self, planning: RecomputePlanning, infos, budget: int, unrecomputed) -> None:
+        self.planning, self.infos, self.budget = planning, infos, budget
+        self.layers = planning.segments(infos)
+        self.units = planning.units(infos)
+        self.segments = self.layers + self.units  # what plan keys index
+        self.unit_bytes = [sum(u.saved_bytes for u in self.units if u.within == s.index) for s in self.layers]
+        self.picking = [dataclasses.replace(s, saved_bytes=s.saved_bytes - self.unit_bytes[s.index])
+                        for s in self.layers]
+        self.size = input_size(infos, planning.layouts.target.graph.data_inputs)
+        self._infos: dict[tuple[int, ...], dict] = {}
+        self._traced: dict[tuple[tuple[int, ...], bool], tuple[Program, object]] = {}
+        if unrecomputed is not None:  # an empty plan rewrites no node
+            self._infos[()] = infos
+            self._traced[((), False)] = unrecomputed
+
+    def model_infos(self, key):
+        if key not in self._infos:
+            self._infos[key] = self.planning.infos_for(key, self.segments, self.infos)
+        return self._infos[key]
+
+    def lowered(self, key, finest: bool):
+        """(program, memory trace) of these segments recomputed, in the largest blocks (the
+        state updates cut off where they trail the backward) or in single-node blocks."""
+        if (key, finest) not in self._traced:
+            layouts = self.planning.layouts
+            model, schedule, _ = self.planning.rewrite(key, self.segments)
+            if finest:
+                blocks = layouts.target.max_block_nodes or 1
+                program = layouts.lower_program(model, self.model_infos(key), schedule, max_block_nodes=blocks)
+            else:
+                program = (layouts.lower_updates_apart(model, self.model_infos(key), schedule)
+                           or next(iter(layouts.lowerings(model, self.model_infos(key), schedule))))
+            self._traced[(key, finest)] = (program, layouts.trace(program, self.model_infos(key)))
+        return self._traced[(key, finest)]
+
+    def need(self, finest: bool):
+        return lambda plan: self.lowered(self.planning.key_of(plan), finest)[1].min_budget_bytes
 
 
 def _block_starts(program: Program, schedule, num_nodes: int) -> tuple[int, ...]:

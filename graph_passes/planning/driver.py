@@ -1,0 +1,347 @@
+"""The step planner: for one graph and one input signature, the program that fits the budget.
+
+:class:`StepPlanner` tries, in order: the graph in its largest blocks; the state updates in a
+block of their own; a recompute plan cached for a similar size; smaller blocks; then the
+passes the caller allows — recompute (:mod:`~graph_passes.planning.recompute`), swap
+(:mod:`~graph_passes.planning.swap`), both (the faster in simulation wins), and split
+(:mod:`~graph_passes.planning.split`) where those cannot fit. It returns a :class:`StepPlan`, or
+:class:`~graph_passes.planning.choice.Infeasible` with the least budget any plan tried needs.
+Plans are timed on the target's device profile; nothing here runs the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Mapping
+
+import onnx
+
+from graph_passes.cost.cost_model import AnalyticalCostModel
+from graph_passes.formatting import format_bytes
+from graph_passes.ir import shapes
+from graph_passes.ir.allocator import align_up
+from graph_passes.ir.memory import MemoryTrace
+from graph_passes.ir.program import Program, order_dependent_last
+from graph_passes.ir.shapes import TensorInfo
+from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
+from graph_passes.planning.choice import Infeasible, ProgramChoice, RewriteOutcome
+from graph_passes.planning.offload_choice import RATIOS, recompute_first, segment_costs
+from graph_passes.planning.partition import refine_blocks
+from graph_passes.planning.recompute.graph_pass import recomputed_infos
+from graph_passes.planning.recompute.signatures import RecomputePlanning
+from graph_passes.planning.schedule import training_spine, updates_early
+from graph_passes.planning.split.graph_pass import Cut, write_split_plan
+from graph_passes.planning.split.planner import Bottleneck, JointPlanner, split_node_count
+from graph_passes.planning.swap.planner import blocks_over, required_bytes
+from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The program chosen for one signature, on the graph it runs (rewritten by recompute or
+    split, or the target's own)."""
+
+    infos: Mapping[str, TensorInfo]
+    choice: ProgramChoice
+    model: onnx.ModelProto
+    recomputed_nodes: int = 0  # clone nodes the recompute pass added
+    split_nodes: int = 0  # nodes the split pass added
+    split_plan: object = None  # graph_passes.planning.split.planner.JointPlan
+
+
+@dataclasses.dataclass
+class _Unplanned:
+    """What the first (largest-block) lowering of a signature showed."""
+
+    budget: int | None
+    need: int  # least budget of the graph with nothing recomputed, in the largest blocks
+    apart: tuple[Program, MemoryTrace] | None = None  # state updates cut off, where tried
+    unrecomputed: tuple[Program, MemoryTrace] | None = None  # what recompute plans start from
+
+
+class StepPlanner:
+    """Plans one target's graph, per input signature (with what recompute learns across sizes)."""
+
+    def __init__(self, target: PlanningTarget) -> None:
+        self.target = target
+        self.layouts = BlockLayouts(target)
+        self.recompute = RecomputePlanning(self.layouts, policy=target.recompute_policy,
+                                           selective=target.selective_recompute)
+        self.infer_infos = shapes.ShapeInference(target.model)  # per new signature
+        self.baseline_peak_bytes: int | None = None
+        self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
+        self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
+        self.last_segment_costs: list = []  # graph_passes.planning.offload_choice.SegmentCost of that choice
+
+    @property
+    def _recompute_allowed(self) -> bool:
+        return "recompute" in self.target.passes and bool(self.target.graph.loss_name)
+
+    def plan(self, input_infos: Mapping[str, TensorInfo], *, probe_feeds=None,
+             resolve_budget: Callable[[int], int | None]) -> StepPlan | Infeasible:
+        """The plan for these input shapes. ``resolve_budget`` turns the unplanned peak into
+        the budget in bytes (None: unlimited); ``probe_feeds`` are input values for shape
+        probes, or a function returning them."""
+        if callable(probe_feeds):
+            probe_feeds = probe_feeds()
+        infos = self.infer_infos(input_infos, probe_feeds=probe_feeds)
+        programs: list[Program] = []
+        found, needed, unplanned = self._without_passes(infos, programs, resolve_budget)
+        budget = unplanned.budget
+        if found is None:
+            found, needed = self._with_passes(infos, programs, budget, needed, unplanned)
+        bottleneck = ""
+        if found is None and "split" in self.target.passes and budget is not None and self.target.swap_points is None:
+            split = self._plan_split(input_infos, probe_feeds, infos, budget)
+            if isinstance(split, Bottleneck):
+                # The minimum stated stays the one that plans without splits: the walk stops at
+                # the first op no split fits, so it cannot say what a split plan would need.
+                where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
+                bottleneck = f" (splitting stops at {where}: {split.reason})"
+            else:
+                found = split
+        if found is None:
+            return Infeasible(needed, budget, self.target.passes, bottleneck)
+        if self._recompute_allowed and budget is not None:
+            self.recompute.observe(infos, unplanned.need)
+        return found
+
+    def _without_passes(self, infos, programs: list[Program], resolve_budget):
+        """The fewest blocks that fit without rewriting the graph (or a cached recompute plan):
+        (StepPlan or None, least budget seen, what the largest blocks showed)."""
+        target, needed, unplanned = self.target, None, None
+        for program in self.layouts.lowerings(target.model, infos, target.schedule):
+            programs.append(program)
+            trace = self.layouts.trace(program, infos)
+            if unplanned is None:  # the largest blocks: the unplanned program
+                unplanned = self._first_lowering(infos, program, trace, resolve_budget)
+                needed = unplanned.need
+                reused = self._reuse(infos, unplanned)
+                if reused is not None:
+                    return reused, needed, unplanned
+            needed = min(needed, trace.min_budget_bytes)
+            if unplanned.budget is None or trace.min_budget_bytes <= unplanned.budget:
+                return self._fewest(infos, programs, ProgramChoice(program, trace), unplanned.budget), needed, unplanned
+            if len(programs) == 1 and unplanned.apart is not None:
+                needed = min(needed, unplanned.apart[1].min_budget_bytes)
+                if unplanned.apart[1].min_budget_bytes <= unplanned.budget:
+                    return StepPlan(infos, ProgramChoice(*unplanned.apart), target.model), needed, unplanned
+            if self._recompute_allowed:
+                # Recompute in large blocks before smaller blocks without it: on the CPU every
+                # cut costs more than the recomputation (docs/decisions.md).
+                break
+        return None, needed, unplanned
+
+    def _first_lowering(self, infos, program: Program, trace: MemoryTrace, resolve_budget) -> _Unplanned:
+        """The budget, resolved against the unplanned peak, and the state updates cut off where
+        that is the cheapest way to fit."""
+        self.baseline_peak_bytes, self.baseline_trace = trace.peak_device_bytes, trace
+        unplanned = _Unplanned(resolve_budget(trace.peak_device_bytes), trace.min_budget_bytes)
+        has_cut = self.layouts.updates_cut(self.target.model, self.target.schedule) is not None
+        unplanned.unrecomputed = None if has_cut else (program, trace)
+        if unplanned.budget is not None and unplanned.need > unplanned.budget and has_cut:
+            # The state updates in a block of their own: it frees at most the new state's bytes.
+            graph = self.target.graph
+            new_state = sum(infos[n].nbytes for n in graph.state_pairs.values() if n in infos)
+            if unplanned.need - new_state <= unplanned.budget or (self._recompute_allowed and self.recompute.collecting):
+                apart = self.layouts.lower_updates_apart(self.target.model, infos, self.target.schedule)
+                unplanned.apart = unplanned.unrecomputed = (apart, self.layouts.trace(apart, infos))
+                unplanned.need = min(unplanned.need, unplanned.apart[1].min_budget_bytes)
+        return unplanned
+
+    def _reuse(self, infos, unplanned: _Unplanned) -> StepPlan | None:
+        """A recompute plan made for a similar input size, if this one needs it and it fits
+        (Mimose's plan cache): no block-size search, no planning."""
+        if not self._recompute_allowed or unplanned.budget is None:
+            return None
+        reused = self.recompute.reuse(infos, unplanned.budget, unplanned_fits=unplanned.need <= unplanned.budget)
+        return None if reused is None else _step_plan(reused)
+
+    def _fewest(self, infos, programs: list[Program], choice: ProgramChoice, budget: int | None) -> StepPlan:
+        """``choice`` (a uniform lowering that fits), or fewer blocks cut only where memory is tight."""
+        model = self.target.model
+        if len(choice.program.blocks) > len(programs[0].blocks):
+            program, trace = self.layouts.fewest_blocks(model, infos, self.target.schedule, budget,
+                                                        choice.program, choice.trace)
+            choice = ProgramChoice(program, trace)
+        return StepPlan(infos, choice, model)
+
+    def _with_passes(self, infos, programs: list[Program], budget: int, needed: int, unplanned: _Unplanned):
+        """Recompute, swap, or both (the faster wins): (StepPlan or None, least budget seen)."""
+        passes = self.target.passes
+        if self._recompute_allowed and "swap" in passes:
+            outcome = self._choose_recompute_or_swap(infos, budget, needed)
+        elif self._recompute_allowed:
+            outcome = self.recompute.plan(infos, budget, programs, needed, unrecomputed=unplanned.unrecomputed)
+        elif "swap" in passes:
+            choice, least, _ = self._plan_swaps(programs, infos, budget, self.target.model)
+            outcome = RewriteOutcome(self.target.model, infos, choice, 0, least)
+        else:
+            return None, needed
+        return (None if outcome.choice is None else _step_plan(outcome)), min(needed, outcome.needed_bytes)
+
+    def _choose_recompute_or_swap(self, infos, budget: int, needed: int) -> RewriteOutcome:
+        """Recompute alone (or as far as it goes, then swap), swap alone, and the segments
+        cheaper to recompute than to copy (:mod:`graph_passes.planning.offload_choice`)
+        recomputed with the rest swapped: the fastest in simulation on the planning profile
+        wins. ``self.last_choice`` lists the candidates."""
+        profile = self.target.profile()
+        candidates: list[tuple[str, float, RewriteOutcome]] = []
+        least = needed
+
+        def with_swaps(label: str, outcome: RewriteOutcome, programs) -> None:
+            nonlocal least
+            choice, need, seconds = self._plan_swaps(list(programs), outcome.infos, budget, outcome.model)
+            least = min(least, need)
+            if choice is not None:
+                passes = ("recompute", "swap") if outcome.added_nodes else ("swap",)
+                candidates.append((label, seconds, dataclasses.replace(outcome, choice=choice.with_passes(passes))))
+
+        recomputed = self.recompute.plan(infos, budget, [], needed)
+        least = min(least, recomputed.needed_bytes)
+        if recomputed.choice is not None:
+            seconds = self.layouts.simulated_time(recomputed.choice.program, recomputed.infos, recomputed.model, budget)
+            candidates.append(("recompute", seconds, recomputed))
+        else:
+            with_swaps("recompute all, swap the rest", recomputed, recomputed.programs)
+        model, schedule = self.target.model, self.target.schedule
+        with_swaps("swap", RewriteOutcome(model, infos, None, 0, least), self.layouts.lowerings(model, infos, schedule))
+        segments = self.recompute.segments(infos)
+        costs = segment_costs(segments, model, infos, cost_model=AnalyticalCostModel(profile), profile=profile)
+        saving = len([s for s in segments if s.saved_bytes > 0])
+        for cheap in dict.fromkeys(recompute_first(costs, ratio) for ratio in RATIOS):
+            if cheap and len(cheap) < saving:
+                m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
+                m_infos = recomputed_infos(infos, m_model)
+                with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest",
+                           RewriteOutcome(m_model, m_infos, None, m_clones, least),
+                           self.layouts.lowerings(m_model, m_infos, m_schedule))
+        self.last_choice = [(label, seconds) for label, seconds, _ in candidates]
+        self.last_segment_costs = costs
+        if not candidates:
+            return RewriteOutcome(model, infos, None, 0, least)
+        label, _, best = min(candidates, key=lambda c: c[1])
+        if label != "recompute":
+            self.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
+        logger.info("recompute or swap for %s on %s: %s (%s)", self.target.graph.name, profile.name, label,
+                    ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
+        return dataclasses.replace(best, needed_bytes=least)
+
+    def _plan_split(self, input_infos, probe_feeds, infos, budget: int) -> StepPlan | Bottleneck:
+        """Split the ops too large for the budget (:class:`graph_passes.planning.split.planner.JointPlanner`),
+        then plan swaps on the split graph (or, without the swap pass, the lowering that fits)."""
+        target = self.target
+
+        def lower_fine(model, model_infos):
+            return self.layouts.lower_program(model, model_infos, order_dependent_last(model), max_block_nodes=1)
+
+        def infer(model):
+            return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
+
+        planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(target.profile()),
+                               alignment=target.alignment, measure=target.measure_splits)
+        result = planner.plan(target.model, infos, budget)
+        if isinstance(result, Bottleneck):
+            logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", target.graph.name, result.op_type,
+                        result.node, result.needed_bytes, result.reason)
+            return result
+        model, _ = write_split_plan(target.model, result.split, infos, cut=Cut.SPLIT)
+        split_infos = infer(model)
+        programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
+        choice = None
+        if "swap" in target.passes:
+            choice, _, _ = self._plan_swaps(programs, split_infos, budget, model)
+        else:
+            traced = ((program, self.layouts.trace(program, split_infos)) for program in programs)
+            choice = next((ProgramChoice(p, t) for p, t in traced if t.min_budget_bytes <= budget), None)
+        if choice is None:
+            return Bottleneck("", "", budget + 1, "the split graph has no program within the budget"
+                              + ("" if "swap" in target.passes else " without swapping"))
+        logger.info("split plan for %s: %d ops split, %d nodes added", target.graph.name, len(result.choices),
+                    split_node_count(model))
+        return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
+                        split_nodes=split_node_count(model), split_plan=result)
+
+    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
+        """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
+        the planning profile), the least budget any of them needs, and the plan's simulated step
+        time; (None, least budget, None) if none fits. Where copies overlap compute, the same
+        graph is also planned with its state updates as soon as their gradients exist
+        (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
+        best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
+        if self.target.profile().copies_overlap_compute and self.target.swap_points is None:
+            best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
+        if best is None:
+            return None, needed, None
+        return best[0], needed, best[1]
+
+    def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):
+        """``best`` ((choice, seconds) or None) against the plan of the same graph with its
+        state updates early; the faster, and the least budget of both."""
+        graph = self.target.graph
+        base = [i for block in programs[0].blocks for i in block.node_indices]
+        spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])
+        early = updates_early(model, spine, base) if spine is not None else None
+        if early is not None:
+            early_programs = list(self.layouts.lowerings(model, infos, early))
+            other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
+            needed = min(needed, other_needed)
+            if other is not None and (best is None or other[1] < best[1]):
+                logger.info("swap plan for %s: state updates early (%.3g s simulated) over the given order (%s)",
+                            graph.name, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
+                best = other
+        return best, needed
+
+    def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
+        """:meth:`_plan_swaps` for one schedule (``programs``: lowerings of it): ((choice,
+        seconds) or None, least budget)."""
+        target = self.target
+        sizes = {n: align_up(i.nbytes, target.alignment) for n, i in infos.items()}
+        needed = min(required_bytes(program, sizes) for program in programs)
+        if needed <= budget and not target.blocks_fixed:
+            # Besides N-node blocks everywhere: blocks cut only where one alone would not fit.
+            order = list(schedule) if schedule is not None else list(range(len(model.graph.node)))
+            refined = refine_blocks(lambda cuts: self.layouts.lower_with_cuts(model, infos, schedule, cuts),
+                                    lambda p: (blocks_over(p, sizes, budget), None),
+                                    position_of={node: k for k, node in enumerate(order)})
+            if refined is not None and all(len(refined[0].blocks) < len(p.blocks) for p in programs
+                                           if required_bytes(p, sizes) <= budget):
+                programs = [refined[0], *programs]
+        profile = target.profile()
+        if profile.copies_overlap_compute:
+            # Smaller blocks let copies start sooner: go on down the block sizes while they
+            # keep getting faster.
+            search = SwapSearch(while_improving=True)
+        else:
+            # Copies cost the compute's own cores whenever they run (the CPU device): Belady's
+            # own plan, with evictions where memory needs them; only the block size is searched.
+            search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
+        result = search.search(programs, infos, budget=budget, alignment=target.alignment,
+                               evaluate=lambda program: self.layouts.simulated_time(program, infos, model, budget))
+        if result is None:
+            return None, needed
+        best = result.best
+        logger.info(
+            "swap plan for %s on %s: %d blocks, state on host %r, %d swaps, %s out / %s in per step",
+            target.graph.name, profile.name, len(best.base_program.blocks), best.state_placement, best.plan.swap_count,
+            format_bytes(best.plan.swap_out_bytes), format_bytes(best.plan.swap_in_bytes),
+        )
+        choice = ProgramChoice(best.program, best.trace, ("swap",), best.base_program, best.plan)
+        return (choice, best.step_time_s), needed
+
+
+def _step_plan(outcome: RewriteOutcome) -> StepPlan:
+    return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes)
+
+
+def describe_infeasible(infeasible: Infeasible, graph_name: str) -> str:
+    """The one-line message for a budget no plan fits: the least budget and what was tried."""
+    offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
+               for p in ("recompute", "swap", "split") if p in infeasible.passes]
+    how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
+    needed = infeasible.needed_bytes
+    return (f"budget {format_bytes(infeasible.budget_bytes)} is below the {format_bytes(needed)} ({needed} bytes) "
+            f"{graph_name} needs {how}; raise the budget to at least that{infeasible.bottleneck}")
