@@ -28,7 +28,10 @@ CNN ``small``; ``--quick``: their ``tiny`` configs), in one process:
    model; the row's budget as the arena cap), against :func:`graph_passes.cost.simulator.unlimited_time` of the unplanned program
    (the same graph with unlimited memory: compute only, no copies). ``pct_of_unlimited`` =
    100 × unlimited / simulated step time (100 = swapping costs nothing). Target: V100 at 0.5x
-   ≥ 90%.
+   ≥ 90%. Each profile is planned twice in the same run: by the grid alone (``plan_time`` 0)
+   and with the genetic search after it (:mod:`graph_passes.planning.swap.ga`, ``--plan-time``
+   seconds), each with its planning time; ``pct_of_bound`` = 100 × the lower bound of
+   :mod:`graph_passes.cost.step_bound` / simulated step time (100 = at the physical limit).
 
 Nothing is capped or skipped: every row is planned and run in full; how long planning took is
 reported per row (``plan_time_s``). A table is printed (rich) and the JSON goes to
@@ -76,9 +79,11 @@ class Settings:
     measured_steps: int
     settle_s: float  # idle pause after every step of the interleaved rows
     budgets: tuple[str, ...] = (*FRACTIONS, MINIMUM)
+    plan_time: float = 30.0  # the GA's seconds per plan (graph_passes.planning.swap.ga)
 
 
-QUICK = Settings(mode="quick", models=(("gpt", "tiny"), ("cnn", "tiny")), warmup_steps=1, measured_steps=2, settle_s=0.02)
+QUICK = Settings(mode="quick", models=(("gpt", "tiny"), ("cnn", "tiny")), warmup_steps=1, measured_steps=2, settle_s=0.02,
+                 plan_time=2.0)
 FULL = Settings(mode="full", models=(("gpt", "small"), ("cnn", "small")), warmup_steps=1, measured_steps=5, settle_s=0.1)
 
 
@@ -98,7 +103,8 @@ def _stats_snapshot(trainer) -> dict[str, float]:
             "faults": s.faults, "prefetch_hits": s.prefetch_hits, "swap_ins": s.swap_ins}
 
 
-def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int):
+def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int, plan_time: float | None = 0.0,
+                     runner_out: list | None = None):
     """The trainer's graph planned for ``profile`` under ``budget_bytes`` (what
     ``ort-offload transform --device-profile`` writes): the runtime's planning, timed on that
     profile instead of this CPU."""
@@ -106,10 +112,12 @@ def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int):
     from graph_passes.ir.shapes import check_inputs
     from ort_offload.runtime.runner import GraphRunner, Runtime
 
-    device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile)
+    device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile, plan_time=plan_time)
     runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches, passes=trainer.runner.passes)
     feeds = {**{n: np.array(trainer.runtime.view(n)) for n in trainer.graph.state_inputs},
              **dict(zip(trainer.batch_names, (np.asarray(t) for t in batch)))}
+    if runner_out is not None:
+        runner_out.append(runner)
     return runner.prepare(check_inputs(trainer.graph.model, feeds), probe_feeds=feeds)
 
 
@@ -123,40 +131,63 @@ def _default_schedule(model) -> list[int]:
     return order_dependent_last(model) or list(range(len(model.graph.node)))
 
 
-def simulate(trainer, batch, unplanned, *, budget_bytes: int) -> dict[str, dict[str, float]]:
-    """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget,
-    replayed on it, vs the unplanned program's compute."""
+def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, plan_time: float, bound) -> dict:
+    """One profile, one search: the plan, replayed, against unlimited memory and the bound."""
     from graph_passes.cost.device_profiles import get_profile
     from graph_passes.cost.simulator import simulate_time, unlimited_time
 
+    profile = get_profile(name)
     model = trainer.runner.model
+    runners: list = []
+    prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes,
+                                                            plan_time=plan_time, runner_out=runners))
+    unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
+    planned = prepared.model if prepared.model is not None else model  # rewritten by split or recompute
+    (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=planned,
+                                                   profile=profile, budget=budget_bytes))
+    search = runners[0].last_plan_search
+    return {
+        "step_time_s": trace.step_time_s,
+        "unlimited_s": unlimited,
+        "pct_of_unlimited": 100.0 * unlimited / trace.step_time_s if trace.step_time_s > 0 else math.nan,
+        "lower_bound_s": bound.seconds,
+        "pct_of_bound": 100.0 * bound.seconds / trace.step_time_s if trace.step_time_s > 0 else math.nan,
+        "compute_time_s": trace.compute_time_s,
+        "stall_time_s": trace.stall_time_s,
+        "h2d_busy_s": trace.h2d_busy_s,
+        "d2h_busy_s": trace.d2h_busy_s,
+        "peak_bytes": trace.peak_bytes,
+        "within_budget": trace.peak_bytes <= budget_bytes and prepared.trace.min_budget_bytes <= budget_bytes,
+        "blocks": len(prepared.program.blocks),
+        "host_state_tensors": len(prepared.program.host_state),
+        # Whether the plan's schedule differs from the exported order (state updates early
+        # or a GA schedule). None: a recompute rewrite, whose own order this does not know.
+        "schedule_changed": (_schedule_of(prepared.program) != _default_schedule(model)
+                             if prepared.model is None or prepared.model is model else None),
+        "plan_search": search.to_json() if search is not None else None,
+        "plan_s": plan_s,
+        "simulate_wall_s": sim_s,
+    }
+
+
+def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) -> dict[str, dict[str, Any]]:
+    """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget by
+    the grid and by the GA after it, replayed on it, vs the unplanned program's compute and
+    the step-time lower bound."""
+    from graph_passes.cost.device_profiles import get_profile
+    from graph_passes.cost.step_bound import step_time_bound
+
+    runner = trainer.runner
+    finest = runner.lower_program(runner.model, unplanned.infos, runner.schedule, max_block_nodes=1)
     out = {}
     for name in PROFILES:
-        profile = get_profile(name)
-        prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes))
-        unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
-        planned = prepared.model if prepared.model is not None else model  # rewritten by split or recompute
-        (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=planned,
-                                                       profile=profile, budget=budget_bytes))
-        out[name] = {
-            "step_time_s": trace.step_time_s,
-            "unlimited_s": unlimited,
-            "pct_of_unlimited": 100.0 * unlimited / trace.step_time_s if trace.step_time_s > 0 else math.nan,
-            "compute_time_s": trace.compute_time_s,
-            "stall_time_s": trace.stall_time_s,
-            "h2d_busy_s": trace.h2d_busy_s,
-            "d2h_busy_s": trace.d2h_busy_s,
-            "peak_bytes": trace.peak_bytes,
-            "blocks": len(prepared.program.blocks),
-            "host_state_tensors": len(prepared.program.host_state),
-            # Whether the plan runs the state updates inside the backward
-            # (graph_passes.planning.schedule.updates_early) instead of the exported order.
-            # (None: a recompute rewrite, whose own order this does not know).
-            "updates_early": (_schedule_of(prepared.program) != _default_schedule(model)
-                              if prepared.model is None or prepared.model is model else None),
-            "plan_s": plan_s,
-            "simulate_wall_s": sim_s,
-        }
+        bound, bound_s = bench.timed(lambda: step_time_bound(finest, unplanned.infos, model=runner.model,
+                                                             profile=get_profile(name), budget=budget_bytes))
+        grid = _simulated_row(trainer, batch, unplanned, name=name, budget_bytes=budget_bytes, plan_time=0.0, bound=bound)
+        ga = _simulated_row(trainer, batch, unplanned, name=name, budget_bytes=budget_bytes, plan_time=plan_time,
+                            bound=bound)
+        out[name] = {**grid, "ga": ga, "bound": {**dataclasses.asdict(bound), "arithmetic": bound.describe(),
+                                                 "wall_s": bound_s}}
     return out
 
 
@@ -263,7 +294,7 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             measured = times[settings.warmup_steps:]
             n = settings.measured_steps
             median, ref_median = bench.median(measured), bench.median(ref_turn_times)
-            sim = simulate(trainer, batches[0], unplanned, budget_bytes=budget_bytes)
+            sim = simulate(trainer, batches[0], unplanned, budget_bytes=budget_bytes, plan_time=settings.plan_time)
             peak = report["peak_device_bytes"]
             row.update(
                 status="ok",
@@ -370,6 +401,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
             "warmup_steps": settings.warmup_steps,
             "measured_steps": settings.measured_steps,
             "settle_s": settings.settle_s,
+            "plan_time_s": settings.plan_time,
             "optimizer": "adamw",
             "device": "cpu",
             "profiles": list(PROFILES),
@@ -405,18 +437,19 @@ def print_table(result: dict[str, Any], console) -> None:
                         "measured steps per row)")
     columns = ("model", "budget", "budget MiB", "peak MiB", "blocks", "plan s", "step ms", "unplanned ms", "ratio",
                "out MiB/step", "in MiB/step", "stall ms/step", "faults",
-               *(f"{p} % unl." for p in PROFILES), "bitwise")
+               *(f"{p} {k}" for p in PROFILES for k in ("grid % unl.", "GA % unl.", "GA % bound", "GA plan s")),
+               "bitwise")
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "budget") else "right")
     for model in result["models"]:
         ref = model["reference"]
         table.add_row(f"{model['name']} {model['config']}", "none", "-", _mib(ref["peak_device_bytes"]),
                       str(ref["blocks"]), "-", f"{ref['median_step_s'] * 1e3:.1f}", "-", "1.00", "0", "0", "0", "0",
-                      *("100.0" for _ in PROFILES), "ref")
+                      *("-" for _ in PROFILES for _ in range(4)), "ref")
         for row in model["rows"]:
             if row["status"] != "ok":
                 table.add_row("", row["budget"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                              *("-" for _ in PROFILES), f"[red]{row['status']}[/]")
+                              *("-" for _ in PROFILES for _ in range(4)), f"[red]{row['status']}[/]")
                 continue
             peak = _mib(row["peak_device_bytes"])
             peak = peak if row["within_budget"] else f"[red]{peak}[/]"
@@ -427,6 +460,8 @@ def print_table(result: dict[str, Any], console) -> None:
                 if p == TARGET_PROFILE and row["budget"] == TARGET_BUDGET:
                     text = f"[green]{text}[/]" if pct >= TARGET_PCT else f"[red]{text}[/]"
                 sims.append(text)
+                ga = row["simulated"][p]["ga"]
+                sims += [f"{ga['pct_of_unlimited']:.1f}", f"{ga['pct_of_bound']:.1f}", f"{ga['plan_s']:.1f}"]
             bitwise = row["losses_bitwise_equal"] and row["state_bitwise_equal"]
             table.add_row(
                 "", row["budget"] + ("" if row["budget"] != MINIMUM else f" ({row['budget_over_baseline_peak']:.3f}x)"),
@@ -464,6 +499,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per row")
     parser.add_argument("--models", default=None, help="comma-separated model:config pairs (default: gpt and cnn)")
+    parser.add_argument("--budgets", default=None, help="comma-separated budgets among 1.0x, 0.5x, 0.25x, min")
+    parser.add_argument("--plan-time", type=float, default=None, help="seconds of genetic search per GA plan")
     return parser.parse_args(argv)
 
 
@@ -479,6 +516,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
                 raise SystemExit(f"--models: {item!r} is not model:config")
             pairs.append((model, config))
         changes["models"] = tuple(pairs)
+    if args.budgets is not None:
+        budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+        unknown = [b for b in budgets if b not in (*FRACTIONS, MINIMUM)]
+        if unknown or not budgets:
+            raise SystemExit(f"--budgets: choose from {', '.join((*FRACTIONS, MINIMUM))}")
+        changes["budgets"] = budgets
+    if args.plan_time is not None:
+        if args.plan_time < 0:
+            raise SystemExit("--plan-time must be >= 0")
+        changes["plan_time"] = args.plan_time
     return dataclasses.replace(settings, **changes)
 
 

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     transform.add_argument("--device", default="cpu")
     transform.add_argument("--device-profile", default=None, choices=_profile_names(),
                            help="plan for this device profile's speeds (default: the device itself)")
+    transform.add_argument("--plan-time", type=float, default=None,
+                           help="seconds of genetic swap search after the grid (GPU profiles; 0: grid only)")
 
     inspect = sub.add_parser("inspect", help="summarise a training-step ONNX graph")
     inspect.add_argument("graph", help="training-step .onnx file")
@@ -320,6 +322,7 @@ def _device(args):
         args.device, budget=args.budget, max_block_nodes=args.block_nodes,
         arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
         recompute_policy=getattr(args, "recompute_policy", "input_aware"),
+        plan_time=getattr(args, "plan_time", None),
     )
 
 
@@ -549,7 +552,7 @@ def _transform(args) -> int:
     from ort_offload.transform import transform
 
     device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None,
-                                        device_profile=args.device_profile))
+                                        device_profile=args.device_profile, plan_time=args.plan_time))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
     sweep_stale_temps(args.output)

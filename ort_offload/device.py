@@ -40,6 +40,8 @@ def set_offload_device(
     selective_recompute: bool = True,
     alignment: int | None = None,
     release_block_workspace: bool = False,
+    plan_time: float | None = None,
+    plan_seed: int = 0,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak).
 
@@ -68,6 +70,8 @@ def set_offload_device(
         raise UnknownDeviceError(
             f"unknown device profile {planning_profile!r}: use one of {', '.join(profile_names())}"
         )
+    if plan_time is not None and not plan_time >= 0:
+        raise InvalidArgumentError(f"plan_time must be a number of seconds >= 0 (0: grid search only), got {plan_time!r}")
     if name == "cuda" and alignment is None:
         alignment = CUDA_ALIGNMENT
     return OffloadDevice(
@@ -76,4 +80,5 @@ def set_offload_device(
         drop_prefetches=drop_prefetches, planning_profile=planning_profile, arena_policy=arena_policy,
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
         selective_recompute=selective_recompute, release_block_workspace=release_block_workspace,
+        plan_time=0.0 if plan_time is None else float(plan_time), plan_seed=int(plan_seed),
     )

@@ -95,6 +95,10 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
         "nodes_before": len(graph.graph.node),
         "nodes_after": len(model.graph.node),
     }
+    if prepared.swap_plan is not None and runner.runtime.planning_profile().copies_overlap_compute:
+        from ort_offload.plan_expectations import expected_step
+
+        report.update(expected_step(runner, prepared, budget))
     return TransformResult(rewritten, prepared, report)
 
 

@@ -56,6 +56,8 @@ class PlanningTarget:
     measure_splits: bool = False  # profile split candidates on this machine (the CPU device)
     recompute_policy: str = "input_aware"
     selective_recompute: bool = True
+    plan_time: float = 0.0  # seconds of genetic swap search after the grid (0: grid only)
+    plan_seed: int = 0
 
     @property
     def blocks_fixed(self) -> bool:

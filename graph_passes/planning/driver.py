@@ -34,6 +34,7 @@ from graph_passes.planning.schedule import training_spine, updates_early
 from graph_passes.planning.split.graph_pass import Cut, write_split_plan
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
+from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
 from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class StepPlanner:
         self.baseline_trace: MemoryTrace | None = None  # the unplanned program's, for plots
         self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
         self.last_segment_costs: list = []  # graph_passes.planning.offload_choice.SegmentCost of that choice
+        self.last_plan_search: PlanSearch | None = None  # how the last swap plan was searched
 
     @property
     def _recompute_allowed(self) -> bool:
@@ -276,6 +278,11 @@ class StepPlanner:
             best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
         if best is None:
             return None, needed, None
+        if self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
+            # Schedule, cuts, host state and keep/swap per tensor, searched from the grid's best.
+            choice, seconds, self.last_plan_search = refine_swap_plan(self.layouts, *best, infos, budget, model)
+            return choice, needed, seconds
+        self.last_plan_search = PlanSearch(GRID, best[1], best[1], 0.0)
         return best[0], needed, best[1]
 
     def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):

@@ -53,6 +53,11 @@ class OffloadDevice:
     # rather than every cached session's high-water mark; each block then pays cudaFree and
     # cudaMalloc for its workspace.
     release_block_workspace: bool = False
+    # Seconds the genetic swap search (graph_passes.planning.swap.ga) may spend improving the
+    # grid's plan where copies overlap compute (GPU profiles); 0: the grid only (the default:
+    # the search gains a few points of simulated speed for tens of seconds of planning).
+    plan_time: float = 0.0
+    plan_seed: int = 0  # the genetic search's random seed
 
     @property
     def swap_outs_are_async(self) -> bool:

@@ -205,6 +205,7 @@ class GraphRunner:
             max_block_nodes=device.max_block_nodes,
             measure_splits=device.kind == "cpu" and device.planning_profile is None,
             recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
+            plan_time=device.plan_time, plan_seed=device.plan_seed,
         ))
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
@@ -282,6 +283,10 @@ class GraphRunner:
     @property
     def last_segment_costs(self) -> list:
         return self.planner.last_segment_costs
+
+    @property
+    def last_plan_search(self):
+        return self.planner.last_plan_search
 
     def prepared_steps(self) -> list[PreparedStep]:
         """Every program prepared so far (one per input signature)."""

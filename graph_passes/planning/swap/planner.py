@@ -89,7 +89,8 @@ class SwapPlanner:
     compares the results."""
 
     def plan(
-        self, program: Program, sizes: Mapping[str, int], budget: int, *, host_state: Iterable[str] | None = None
+        self, program: Program, sizes: Mapping[str, int], budget: int, *, host_state: Iterable[str] | None = None,
+        priority: Mapping[str, int] | None = None,
     ) -> SwapPlan | Infeasible:
         """A plan keeping, at every step, live arena bytes plus the running block's workspace
         within ``budget``.
@@ -97,7 +98,10 @@ class SwapPlanner:
         ``host_state``: state tensors that live on the host between steps (each comes in when
         first needed and its update goes back to the host before the step ends). Other state
         is on the host between steps only where eviction puts its update (iterated to a steady
-        state)."""
+        state).
+
+        ``priority``: per tensor, a victim class (default 0); lower classes are evicted first,
+        Belady within a class (a search's keep/swap choice per tensor)."""
         need = required_bytes(program, sizes)
         if need > budget:
             return Infeasible(-1, need, "one step's inputs, outputs and workspace alone exceed the budget")
@@ -109,13 +113,13 @@ class SwapPlanner:
         # The state on the host when a step starts must be what the previous step left there.
         host_start = forced
         for _ in range(MAX_STEADY_STATE_ROUNDS):
-            plan, host_end = _plan_once(program, sizes, capacity, host_start, force_end=forced)
+            plan, host_end = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority)
             if host_end == host_start:
                 return plan
             if host_end < host_start:
                 break  # state that started on the host ended on the device: send it back
             host_start = host_start | host_end  # grows monotonically, so this converges
-        plan, _ = _plan_once(program, sizes, capacity, host_start, force_end=host_start)
+        plan, _ = _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority)
         return plan
 
 
@@ -143,7 +147,7 @@ def _frees(step) -> tuple[str, ...]:
     return ()
 
 
-def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: frozenset = frozenset()):
+def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: frozenset = frozenset(), priority=None):
     steps = program.steps
     renames: dict[str, str] = {}
     for step in steps:
@@ -180,7 +184,8 @@ def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: froze
         outs = []
         if demand > limit:
             pinned = needed | set(allocs)
-            candidates = sorted((n for n in resident if n not in pinned), key=lambda n: (-next_use(n, i), n))
+            rank = priority or {}
+            candidates = sorted((n for n in resident if n not in pinned), key=lambda n: (rank.get(n, 0), -next_use(n, i), n))
             for victim in candidates:
                 if demand <= limit:
                     break

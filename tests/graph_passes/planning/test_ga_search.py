@@ -1,0 +1,170 @@
+"""The genetic swap search (graph_passes.planning.swap.ga) and the step-time lower bound
+(graph_passes.cost.step_bound): never slower than the grid, deterministic per seed, within its time
+limit, every genome topological and within budget, and its plans run bitwise equal to the
+unplanned run on the CPU device."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import ort_offload
+from graph_passes.ir import shapes
+from graph_passes.cost.device_profiles import V100_16GB_PCIE3
+from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, _Operators, seed_genome
+from graph_passes.ir.allocator import align_up
+from graph_passes.ir.memory import simulate_program
+from graph_passes.ir.program import lower
+from graph_passes.cost.simulator import simulate_time
+from graph_passes.cost.step_bound import link_time, step_time_bound
+from graph_passes.planning.swap.search import SwapSearch
+from helpers import batches
+from models import get_model
+from chain_helpers import chain_feeds, chain_graph
+
+OPS = ["MatMul", "Relu", "MatMul", "Sigmoid", "Add", "MatMul", "Exp", "Concat", "Relu"]
+
+
+def _chain_space(width=64, where=0.3):
+    graph = chain_graph(OPS, width=width)
+    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, chain_feeds(width)))
+
+    def lowered(schedule=None, cuts=(), block_nodes=None):
+        return lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=["x"], fetches=["loss"],
+                     max_block_nodes=block_nodes or len(graph.model.graph.node), schedule=schedule, extra_cuts=cuts)
+
+    finest = lowered(block_nodes=1)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    from graph_passes.planning.swap.planner import required_bytes
+
+    least, top = required_bytes(finest, sizes), simulate_program(finest, infos).min_budget_bytes
+    budget = int(least + where * (top - least))
+
+    def evaluate(program):
+        return simulate_time(program, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=budget).step_time_s
+
+    programs = [lowered(block_nodes=n) for n in (8, 4, 2, 1)]
+    grid = SwapSearch(while_improving=True).search(programs, infos, budget=budget, evaluate=evaluate)
+    space = SearchSpace(model=graph.model, infos=infos, budget=budget, evaluate=evaluate,
+                        lower=lambda schedule, cuts: lowered(list(schedule), cuts))
+    return graph, infos, finest, grid.best, space
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5])
+def test_never_slower_than_the_grid_and_within_budget(where):
+    _, infos, _, seed, space = _chain_space(where=where)
+    result = GeneticSwapSearch(GAConfig(max_evaluations=40, time_limit_s=60)).search(seed, space)
+    assert result.best.step_time_s <= seed.step_time_s
+    assert result.evaluations <= 40 and result.history == tuple(sorted(result.history, reverse=True))
+    assert simulate_program(result.best.program, infos, budget=space.budget).min_budget_bytes <= space.budget
+
+
+def test_the_seed_genome_decodes_to_the_grid_plan():
+    _, _, _, seed, space = _chain_space()
+    genome = seed_genome(seed)
+    assert space.lower(genome.schedule, sorted(genome.cuts)).blocks == seed.base_program.blocks
+
+
+def test_deterministic_for_a_seed():
+    _, _, _, seed, space = _chain_space(where=0.2)
+    runs = [GeneticSwapSearch(GAConfig(max_evaluations=30, time_limit_s=60, seed=s)).search(seed, space)
+            for s in (7, 7, 8)]
+    assert runs[0].genome == runs[1].genome and runs[0].history == runs[1].history
+    assert runs[0].best.program.steps == runs[1].best.program.steps
+
+
+def test_time_limit_returns_the_best_so_far():
+    _, _, _, seed, space = _chain_space()
+    now = [0.0]
+
+    def clock():  # each reading advances a second: the limit falls inside the first generations
+        now[0] += 1.0
+        return now[0]
+
+    result = GeneticSwapSearch(GAConfig(time_limit_s=5.0), clock=clock).search(seed, space)
+    assert result.stopped == "time" and result.evaluations <= 5
+    assert result.best.step_time_s <= seed.step_time_s
+
+
+def test_children_are_topological_and_keep_the_late_nodes_last():
+    graph, infos, _, seed, _ = _chain_space()
+    first = seed_genome(seed)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    ops = _Operators(graph.model, first, seed.base_program, seed.base_program.state_inputs, random.Random(0),
+                     GAConfig(schedule_p=0.5), sizes)
+    genomes = [first]
+    for _ in range(60):
+        a, b = random.Random(len(genomes)).sample(genomes, 2) if len(genomes) > 1 else (first, first)
+        genomes.append(ops.mutate(ops.crossover(a, b)))
+    nodes = graph.model.graph.node
+    for g in genomes:
+        assert sorted(g.schedule) == list(range(len(nodes)))
+        seen = {i.name for i in graph.model.graph.input} | {t.name for t in graph.model.graph.initializer}
+        for index in g.schedule:
+            assert all(not n or n in seen for n in nodes[index].input)
+            seen.update(nodes[index].output)
+        assert all(0 < c < len(nodes) for c in g.cuts)
+
+
+def test_the_bound_is_below_every_plan_and_counts_the_link():
+    graph, infos, finest, seed, space = _chain_space(where=0.0)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=space.budget)
+    assert bound.compute_s <= bound.seconds <= seed.step_time_s
+    result = GeneticSwapSearch(GAConfig(max_evaluations=20)).search(seed, space)
+    assert bound.seconds <= result.best.step_time_s
+    assert bound.link_s == pytest.approx(link_time(bound.h2d_bytes, bound.d2h_bytes, V100_16GB_PCIE3))
+    # With no room at all, everything read later crosses the link.
+    tiny = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=0)
+    assert tiny.h2d_bytes == tiny.necessary_live_bytes > 0 and tiny.link_s > 0
+    assert step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=10**12).link_s == 0
+
+
+def _train(name, budget, *, plan_time, seed=0, steps=3):
+    spec = get_model(name, "tiny")
+    data = batches(name, steps)
+    device = ort_offload.set_offload_device("cpu", budget=budget, planning_profile="V100-16GB-PCIe3",
+                                            plan_time=plan_time, plan_seed=seed)
+    trainer = ort_offload.create_ort_trainer(
+        device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
+        input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
+        optimizer="adamw", name=name)
+    losses = [trainer.step(*inputs, *targets) for inputs, targets in data]
+    return trainer, losses, trainer.state_dict()
+
+
+@pytest.mark.parametrize("name", ["gpt"])  # cnn passes too, but takes ~5 min here
+def test_ga_plans_run_bitwise_equal_and_within_budget_on_the_cpu(name):
+    reference, ref_losses, ref_state = _train(name, None, plan_time=0)
+    trainer, losses, state = _train(name, "0.25x", plan_time=4.0)
+    search = trainer.runner.last_plan_search
+    assert search is not None and search.method == "ga" and search.time_s < 4.0 + 2.0
+    assert search.step_time_s <= search.grid_step_time_s
+    assert losses == ref_losses
+    assert all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
+    report = trainer.report()
+    assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+def test_plan_time_is_checked():
+    with pytest.raises(ort_offload.errors.InvalidArgumentError):
+        ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=-1)
+
+
+def test_transform_reports_what_it_expects_of_the_plan(tmp_path):
+    import json
+
+    from ort_offload.cli import main as run_cli
+
+    source, out, report_path = tmp_path / "mlp.onnx", tmp_path / "mlp_v100.onnx", tmp_path / "t.json"
+    assert run_cli(["export", "--model", "mlp", "-o", str(source)]) == 0
+    assert run_cli(["transform", str(source), "-o", str(out), "--budget", "0.5x", "--input", "x=8x32", "--input",
+                    "y=8", "--device-profile", "V100-16GB-PCIe3", "--plan-time", "2", "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    search = report["plan_search"]
+    assert search["method"] == "ga" and search["time_s"] < 2.0 + 2.0
+    assert search["step_time_s"] <= search["grid_step_time_s"]
+    assert report["step_time_lower_bound_s"] <= report["simulated_step_time_s"] * (1 + 1e-9)
+    assert report["simulated_unlimited_step_time_s"] <= report["simulated_step_time_s"] * (1 + 1e-9)
+    assert report["simulated_step_time_s"] == pytest.approx(search["step_time_s"])
