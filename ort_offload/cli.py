@@ -560,7 +560,7 @@ def _transform(args) -> int:
     if args.json_path:
         write_json(result.report, args.json_path)
     if args.plot_path:
-        plot_timeline(args.plot_path, baseline=None, planned=result.prepared.trace,
+        plot_timeline(args.plot_path, baseline=None, planned=result.plan.choice.trace,
                       budget_bytes=result.report["budget_bytes"], title=f"{graph.name}: planned device bytes")
     report = result.report
     print(f"wrote {args.output}: {report['nodes_before']} -> {report['nodes_after']} nodes, "

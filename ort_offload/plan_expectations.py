@@ -8,23 +8,23 @@ from graph_passes.cost.simulator import simulate_time, unlimited_time
 from graph_passes.cost.step_bound import step_time_bound
 
 
-def expected_step(runner, prepared, budget: int) -> dict:
+def expected_step(planner, plan, budget: int) -> dict:
     """Report keys ``simulated_step_time_s``, ``simulated_unlimited_step_time_s``,
-    ``step_time_lower_bound_s`` (with its arithmetic) and ``plan_search``."""
-    profile = runner.runtime.planning_profile()
-    model = prepared.model if prepared.model is not None else runner.model
-    trace = simulate_time(prepared.program, prepared.infos, model=model, profile=profile, budget=budget,
-                          alignment=runner.runtime.device.alignment)
-    layouts = runner.planner.layouts
-    whole = layouts.lower_program(runner.model, prepared.infos, runner.schedule,
-                                  max_block_nodes=len(runner.model.graph.node))
-    finest = layouts.lower_program(runner.model, prepared.infos, runner.schedule, max_block_nodes=1)
-    bound = step_time_bound(finest, prepared.infos, model=runner.model, profile=profile, budget=budget,
-                            alignment=runner.runtime.device.alignment)
-    search = runner.last_plan_search
+    ``step_time_lower_bound_s`` (with its arithmetic) and ``plan_search``, for ``plan`` made by
+    ``planner`` (:class:`graph_passes.planning.driver.StepPlanner`)."""
+    target, layouts = planner.target, planner.layouts
+    profile = target.profile()
+    trace = simulate_time(plan.choice.program, plan.infos, model=plan.model, profile=profile, budget=budget,
+                          alignment=target.alignment)
+    nodes = len(target.model.graph.node)
+    whole = layouts.lower_program(target.model, plan.infos, target.schedule, max_block_nodes=nodes)
+    finest = layouts.lower_program(target.model, plan.infos, target.schedule, max_block_nodes=1)
+    bound = step_time_bound(finest, plan.infos, model=target.model, profile=profile, budget=budget,
+                            alignment=target.alignment)
+    search = planner.last_plan_search
     return {
         "simulated_step_time_s": trace.step_time_s,
-        "simulated_unlimited_step_time_s": unlimited_time(whole, prepared.infos, model=runner.model, profile=profile),
+        "simulated_unlimited_step_time_s": unlimited_time(whole, plan.infos, model=target.model, profile=profile),
         "step_time_lower_bound_s": bound.seconds,
         "step_time_lower_bound": bound.describe(),
         "plan_search": search.to_json() if search is not None else None,

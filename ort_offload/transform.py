@@ -1,7 +1,8 @@
 """Offline transformation of a training-step ONNX file: plan for a budget and write the plan
 into the graph (``ort-offload transform``), and a summary of a graph (``ort-offload inspect``).
 
-Planning is the runtime's own (:class:`ort_offload.runtime.runner.GraphRunner.prepare`), so the file
+Planning is the runtime's own step planner (:mod:`graph_passes.planning.driver`, on the target
+:func:`ort_offload.runtime.planning.planning_target` gives), run without a runtime: the file
 written here holds exactly the swaps a training run under the same budget would make.
 """
 
@@ -24,50 +25,60 @@ from graph_passes.ir.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.export.graph_inputs import random_batch, random_state
-from ort_offload.runtime.runner import GraphRunner, PreparedStep, Runtime
+from graph_passes.planning.driver import StepPlan, StepPlanner
+from ort_offload.runtime.planning import plan_or_raise, planning_target
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformResult:
     graph: TrainingGraph
-    prepared: PreparedStep
+    plan: StepPlan
     report: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedGraph:
+    """A graph planned for one input signature on a device: the planner (its baseline and
+    search records), the plan, and the budget in bytes (None: unlimited)."""
+
+    planner: StepPlanner
+    plan: StepPlan
+    budget_bytes: int | None
+
+
 def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]],
-               passes: tuple[str, ...]) -> tuple[GraphRunner, PreparedStep]:
-    """Plan ``graph`` for its input signature on ``device`` (the runtime's planning). Without
-    split: a graph that carries swap nodes is lowered without split views (its Splits would run
-    as copies), so a split plan written into it would not keep the budget it was checked for."""
+               passes: tuple[str, ...]) -> PlannedGraph:
+    """Plan ``graph`` for its input signature on ``device`` (the runtime's planning, without a
+    runtime). Without split: a graph that carries swap nodes is lowered without split views
+    (its Splits would run as copies), so a split plan written into it would not keep the
+    budget it was checked for."""
     passes = tuple(p for p in passes if p != "split")
     feeds = {**random_state(graph), **random_batch(graph, shapes)}
-    runner = GraphRunner(Runtime(device), graph, fetches=graph.step_fetches, passes=passes)
-    prepared = runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
-    return runner, prepared
+    planner = StepPlanner(planning_target(graph, device, fetches=graph.step_fetches, passes=passes))
+    budget: list[int | None] = []
+
+    def resolve_budget(peak: int) -> int | None:
+        budget.append(None if device.budget is None else device.budget.resolve(peak))
+        return budget[-1]
+
+    plan = plan_or_raise(planner, check_inputs(graph.model, feeds), probe_feeds=feeds, resolve_budget=resolve_budget)
+    return PlannedGraph(planner, plan, budget[-1])
 
 
 def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]],
               passes: tuple[str, ...]) -> TransformResult:
     """The graph rewritten with the plan for ``device``'s budget, and a report of what changed."""
-    runner, prepared = plan_graph(graph, device, shapes, passes)
-    budget = runner.runtime.budget_bytes
-    model = prepared.model if prepared.model is not None else graph.model  # with recompute's clones
+    planned = plan_graph(graph, device, shapes, passes)
+    plan, budget = planned.plan, planned.budget_bytes
+    choice = plan.choice
+    model = plan.model  # with recompute's clones
     swaps = []
-    if prepared.swap_plan is not None:
+    if choice.swap_plan is not None:
         # The swaps where the runtime runs them (early swap-outs, hoisted swap-ins).
-        plan = placed_plan(prepared.swap_plan, prepared.program)
-        result = SwapPass(prepared.base_program, plan, prepared.infos, budget=budget)(ir.from_proto(model))
+        placed = placed_plan(choice.swap_plan, choice.program)
+        result = SwapPass(choice.base, placed, plan.infos, budget=budget)(ir.from_proto(model))
         model = ir.to_proto(result.model)
-        for index, batch in plan.before:
-            for swap in batch:
-                kind = "swap_out" if isinstance(swap, SwapOut) else "swap_in"
-                swaps.append({
-                    "tensor": swap.name, "op": kind, "bytes": prepared.infos[swap.name].nbytes,
-                    "before_step": index, "copy": getattr(swap, "copy", True),
-                    "role": graph.roles.get(swap.name, Role.ACTIVATION).value,
-                    "why": "evicted (Belady: used furthest in the future), issued right after its last use"
-                    if kind == "swap_out" else "needed by a later step; issued as early as memory allows",
-                })
+        swaps = _swap_rows(graph, plan, placed)
     roles = dict(graph.roles)
     for node in model.graph.node:
         if any(p.key == PROVENANCE_KEY and p.value == RECOMPUTE_PASS for p in node.metadata_props):
@@ -78,28 +89,45 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
             for out in node.output:
                 roles.setdefault(out, roles.get(source.split("__")[0], Role.ACTIVATION))
     rewritten = TrainingGraph(model, roles, dict(graph.state_pairs), name=graph.name)
-    baseline = runner.baseline_trace
+    baseline = planned.planner.baseline_trace
+    profile = planned.planner.target.profile()
     report = {
         "model": graph.name,
         "budget_bytes": budget,
         "baseline_peak_bytes": baseline.peak_device_bytes,
-        "planned_peak_bytes": prepared.trace.peak_device_bytes,
-        "planning_profile": runner.runtime.planning_profile().name if prepared.swap_plan is not None else None,
-        "blocks": len(prepared.program.blocks),
-        "passes": list(prepared.passes),
-        "recomputed_nodes": prepared.recomputed_nodes,
+        "planned_peak_bytes": choice.trace.peak_device_bytes,
+        "planning_profile": profile.name if choice.swap_plan is not None else None,
+        "blocks": len(choice.program.blocks),
+        "passes": list(choice.passes),
+        "recomputed_nodes": plan.recomputed_nodes,
         "swap_out_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_out" and s["copy"]),
         "swap_in_bytes_per_step": sum(s["bytes"] for s in swaps if s["op"] == "swap_in"),
-        "host_state": list(prepared.program.host_state),  # state kept on the host between steps
+        "host_state": list(choice.program.host_state),  # state kept on the host between steps
         "swaps": swaps,
         "nodes_before": len(graph.graph.node),
         "nodes_after": len(model.graph.node),
     }
-    if prepared.swap_plan is not None and runner.runtime.planning_profile().copies_overlap_compute:
+    if choice.swap_plan is not None and profile.copies_overlap_compute:
         from ort_offload.plan_expectations import expected_step
 
-        report.update(expected_step(runner, prepared, budget))
-    return TransformResult(rewritten, prepared, report)
+        report.update(expected_step(planned.planner, plan, budget))
+    return TransformResult(rewritten, plan, report)
+
+
+def _swap_rows(graph: TrainingGraph, plan: StepPlan, placed) -> list[dict]:
+    """One report row per swap the written graph carries: what, where, and why."""
+    rows = []
+    for index, batch in placed.before:
+        for swap in batch:
+            kind = "swap_out" if isinstance(swap, SwapOut) else "swap_in"
+            rows.append({
+                "tensor": swap.name, "op": kind, "bytes": plan.infos[swap.name].nbytes,
+                "before_step": index, "copy": getattr(swap, "copy", True),
+                "role": graph.roles.get(swap.name, Role.ACTIVATION).value,
+                "why": "evicted (Belady: used furthest in the future), issued right after its last use"
+                if kind == "swap_out" else "needed by a later step; issued as early as memory allows",
+            })
+    return rows
 
 
 def inspect_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]] | None) -> dict:
@@ -120,8 +148,8 @@ def inspect_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[s
     if shapes is None and symbolic:
         summary["note"] = "pass --input NAME=DIMS for every symbolic batch input to get sizes and the unplanned peak"
         return summary
-    runner, prepared = plan_graph(graph, device, shapes or {}, ())
-    infos = prepared.infos
+    planned = plan_graph(graph, device, shapes or {}, ())
+    infos = planned.plan.infos
     state_bytes = {role: 0 for role in ("param", "optimizer_state", "buffer")}
     for name in graph.state_inputs:
         role = graph.roles[name].value
@@ -133,7 +161,7 @@ def inspect_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[s
     )[:8]
     summary.update({
         "state_bytes": state_bytes,
-        "baseline_peak_bytes": runner.baseline_trace.peak_device_bytes,
+        "baseline_peak_bytes": planned.planner.baseline_trace.peak_device_bytes,
         "largest_ops": [{"op": op, "node": name, "output_bytes": size, "output": format_bytes(size)} for size, op, name in largest],
     })
     return summary

@@ -21,14 +21,12 @@ from graph_passes.ir import shapes
 from graph_passes.cost.device_profiles import DeviceProfile, get_profile
 from graph_passes.ir.memory import MemoryTrace, allocation_units
 from graph_passes.ir.program import (
-    Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent, order_dependent_last,
+    Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, is_order_dependent,
 )
 from graph_passes.ir.shapes import TensorInfo
-from graph_passes.planning.swap.nodes import canonicalize, has_swap_nodes
 from graph_passes.planning.swap.planner import SwapPlan
-from graph_passes.planning.blocks import PlanningTarget
-from graph_passes.planning.choice import Infeasible
-from graph_passes.planning.driver import StepPlanner, describe_infeasible
+from graph_passes.planning.driver import StepPlanner
+from ort_offload.runtime.planning import plan_or_raise, planning_target
 from graph_passes.ir.training_graph import TrainingGraph
 from ort_offload.runtime.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.runtime.block_session import BlockSession, block_content_key, block_model, default_session_options
@@ -185,28 +183,15 @@ class GraphRunner:
         self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None, passes: Sequence[str] = ()
     ) -> None:
         self.runtime = runtime
-        self.passes = tuple(passes)  # passes the runner may apply when the budget needs them
-        # A graph that already carries swap nodes (from `ort-offload transform`) runs its own
-        # swaps: the runner executes the standard nodes and turns the swap nodes into steps.
-        self.swap_points = None
-        self.model = graph.model
-        if has_swap_nodes(graph.model):
-            self.model, self.swap_points = canonicalize(graph.model)
-            self.passes = ()
-        # Order-dependent nodes run single-threaded in blocks of their own; scheduling them last
-        # keeps everything before them in one block (swap nodes fix positions: keep the order).
-        self.schedule = None if self.swap_points else order_dependent_last(self.model)
         self.graph = graph
         self.fetches = fetches
-        device = runtime.device
-        self.planner = StepPlanner(PlanningTarget(
-            graph=graph, model=self.model, profile=runtime.planning_profile, schedule=self.schedule,
-            swap_points=self.swap_points, fetches=fetches, passes=self.passes, alignment=device.alignment,
-            max_block_nodes=device.max_block_nodes,
-            measure_splits=device.kind == "cpu" and device.planning_profile is None,
-            recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
-            plan_time=device.plan_time, plan_seed=device.plan_seed,
-        ))
+        self.planner = StepPlanner(planning_target(graph, runtime.device, fetches=fetches, passes=passes,
+                                                   profile=runtime.planning_profile))
+        target = self.planner.target
+        # The graph as it runs: its standard-op form where it carries swap nodes (they fix where
+        # it swaps), order-dependent nodes scheduled last.
+        self.model, self.swap_points, self.schedule, self.passes = (target.model, target.swap_points,
+                                                                    target.schedule, target.passes)
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         # The same sessions by what they run (block_content_key): a new recompute
@@ -254,10 +239,8 @@ class GraphRunner:
 
     def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
         """What ``prepare`` does for a signature not seen before: plan, or say what budget would do."""
-        plan = self.planner.plan(input_infos, probe_feeds=probe_feeds, resolve_budget=self.runtime.resolve_budget)
-        if isinstance(plan, Infeasible):
-            raise BudgetTooSmallError(describe_infeasible(plan, self.graph.name), needed_bytes=plan.needed_bytes,
-                                      budget_bytes=plan.budget_bytes)
+        plan = plan_or_raise(self.planner, input_infos, probe_feeds=probe_feeds,
+                             resolve_budget=self.runtime.resolve_budget)
         choice = plan.choice
         return PreparedStep(signature, plan.infos, choice.program, choice.trace, choice.passes, choice.base,
                             choice.swap_plan, model=plan.model, recomputed_nodes=plan.recomputed_nodes,

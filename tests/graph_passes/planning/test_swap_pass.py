@@ -78,7 +78,7 @@ def test_the_runtime_executes_a_rewritten_graph_with_real_swaps():
     def swaps(program):
         return [(type(s).__name__, s.name.split("__")[0]) for s in program.steps if isinstance(s, (SwapIn, SwapOut))]
 
-    assert swaps(trainer.runner.last_prepared.program) == swaps(result.prepared.program)
+    assert swaps(trainer.runner.last_prepared.program) == swaps(result.plan.choice.program)
     assert trainer.runner.last_trace.min_budget_bytes <= budget
     assert losses == expected_losses
     assert all(state_after[k].tobytes() == v.tobytes() for k, v in expected_state.items())
