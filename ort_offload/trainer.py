@@ -25,7 +25,9 @@ from ort_offload import optimizers
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
 from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
-from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError
+from ort_offload.errors import (
+    CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError, UnsupportedGraphError,
+)
 from ort_offload.export import export_forward, export_training_step, initial_state
 from ort_offload.graph_inputs import check_batch, gather_index_limits
 from ort_offload.report import REPORT_KEYS
@@ -107,9 +109,7 @@ class OrtTrainer:
         self._model_state = [n for n in graph.state_pairs if graph.roles.get(n) in (Role.PARAM, Role.BUFFER)]
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
-        self.runner = GraphRunner(
-            self.runtime, graph, fetches=graph.step_fetches, passes=self.passes
-        )
+        self.runner = self._make_runner(graph)
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
         check_batch(example_batch, {})
@@ -122,6 +122,10 @@ class OrtTrainer:
         # Batch inputs that index a table (token ids into an embedding): their valid range.
         self._index_limits = gather_index_limits(graph.model, {n: self.runtime.info(n).shape for n in graph.state_inputs},
                                                  self.batch_names)
+
+    def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
+        """The runner of the training step (data-parallel training runs its own)."""
+        return GraphRunner(self.runtime, graph, fetches=graph.step_fetches, passes=self.passes)
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -351,6 +355,7 @@ def create_ort_trainer(
     name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     stop_on_nonfinite: bool = False,
+    process_group: Any = None,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -362,6 +367,9 @@ def create_ort_trainer(
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
     ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
+    ``process_group`` (default: torch.distributed's default group, where initialised) makes the
+    trainer one data-parallel rank (:mod:`ort_offload.distributed`): example and step batches
+    are global, each rank trains on its shard, and gradients are averaged inside the step.
 
     A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
     :class:`~ort_offload.dynamic_trainer.BlockwiseTrainer` instead: its Python control flow runs
@@ -372,9 +380,13 @@ def create_ort_trainer(
         raise TypeError("device must come from ort_offload.set_offload_device(...)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from ort_offload.distributed import data_parallel_group
     from ort_offload.dynamic_trainer import BlockwiseTrainer, is_dynamic_model
 
+    group = data_parallel_group(process_group)
     if is_dynamic_model(model):
+        if group is not None:
+            raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
         if device.kind != "cpu":
             raise UnknownDeviceError(
                 f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
@@ -393,6 +405,14 @@ def create_ort_trainer(
     config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
     example_inputs = tuple(example_inputs)
     example_targets = tuple(example_targets)
+    trainer_class, rank_options = OrtTrainer, {}
+    if group is not None:  # the examples are a global batch: the graph is this rank's shard's
+        from ort_offload.distributed import DistributedTrainer, shard_batch
+
+        rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        example_inputs = shard_batch(example_inputs, rank, world_size)
+        example_targets = shard_batch(example_targets, rank, world_size)
+        trainer_class, rank_options = DistributedTrainer, {"process_group": group}
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
     target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
     name = name or type(model).__name__.lower()
@@ -403,7 +423,7 @@ def create_ort_trainer(
     )
     logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
     batch = {n: _to_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
-    return OrtTrainer(
+    return trainer_class(
         device,
         result.graph,
         initial_state=initial_state(result.graph, model, lr=config.lr, step=1),
@@ -416,4 +436,5 @@ def create_ort_trainer(
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
         stop_on_nonfinite=stop_on_nonfinite,
+        **rank_options,
     )
