@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -58,14 +59,17 @@ def main() -> int:
             device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
             input_names=spec.input_names, target_names=spec.target_names, name=spec.name, passes="auto",
         )
+        digests = []  # of the whole state after every step
         for number, (inputs, targets) in enumerate(batches, start=1):
             if number == args.die_at and rank == 1:
                 os._exit(3)
             trainer.step(*inputs, *targets)
+            state = trainer.state_dict()
+            digests.append(hashlib.sha256(b"".join(state[n].tobytes() for n in sorted(state))).hexdigest())
             if number == args.save_after:
                 trainer.save(out / "checkpoint.npz")
         np.savez(out / f"rank{rank}.npz", **trainer.state_dict())
-        record.update(losses=trainer.losses, report=trainer.report())
+        record.update(losses=trainer.losses, report=trainer.report(), digests=digests)
         code = 0
     except OffloadError as e:
         record.update(error=f"{type(e).__name__}: {e}")
