@@ -13,6 +13,7 @@ surface as :class:`~ort_offload.errors.DistributedError` on the others.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -37,8 +38,10 @@ from ort_offload.trainer import OrtTrainer
 
 logger = logging.getLogger(__name__)
 
-# Seconds a collective waits for the other ranks before it fails (the CLI's process group).
-DEFAULT_TIMEOUT_S = 30.0
+# Seconds a collective waits for a rank that is alive but silent (the CLI's process group); a
+# rank that exits closes its connections, which the others see at once. Rank 0 exports the
+# step while the others wait at a barrier, so this must cover an export.
+DEFAULT_TIMEOUT_S = 300.0
 # The report keys a data-parallel trainer adds to OrtTrainer's.
 DISTRIBUTED_REPORT_KEYS = ("world_size", "rank", "allreduce_bytes", "comm_time_s", "comm_overlap_fraction")
 
@@ -72,6 +75,23 @@ def is_writer(group: Any = None) -> bool:
     """Whether this process writes shared files: rank 0, or a process without a group."""
     group = data_parallel_group(group)
     return group is None or dist.get_rank(group) == 0
+
+
+@contextlib.contextmanager
+def rank_zero_first(group: Any):
+    """Rank 0 runs the body first, the others after it (they then read its export cache entry
+    instead of exporting the same step at once)."""
+    if group is None:
+        yield
+        return
+    rank = dist.get_rank(group)
+    if rank != 0:
+        with collective(rank, "waiting for rank 0's export"):
+            dist.barrier(group=group)
+    yield
+    if rank == 0:
+        with collective(rank, "export barrier"):
+            dist.barrier(group=group)
 
 
 def shard_batch(batch: Sequence[Any], rank: int, world_size: int) -> tuple:
@@ -351,5 +371,5 @@ def check_agreement(reducer: GradientReducer, facts: Mapping[str, str]) -> None:
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DISTRIBUTED_REPORT_KEYS", "CommStats", "DataParallelRunner", "DistributedTrainer",
     "GradientOrder", "GradientReducer", "data_parallel_group", "gradients_first", "init_from_environment",
-    "is_writer", "shard_batch",
+    "is_writer", "rank_zero_first", "shard_batch",
 ]

@@ -380,7 +380,7 @@ def create_ort_trainer(
         raise TypeError("device must come from ort_offload.set_offload_device(...)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from ort_offload.distributed import data_parallel_group
+    from ort_offload.distributed import data_parallel_group, rank_zero_first
     from ort_offload.dynamic_trainer import BlockwiseTrainer, is_dynamic_model
 
     group = data_parallel_group(process_group)
@@ -416,11 +416,12 @@ def create_ort_trainer(
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
     target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
     name = name or type(model).__name__.lower()
-    result = export_training_step(
-        model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
-        optimizer=config, input_names=input_names, target_names=target_names,
-        dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
-    )
+    with rank_zero_first(group):
+        result = export_training_step(
+            model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
+            optimizer=config, input_names=input_names, target_names=target_names,
+            dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
+        )
     logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
     batch = {n: _to_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
     return trainer_class(
