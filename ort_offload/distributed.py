@@ -361,11 +361,17 @@ def check_agreement(reducer: GradientReducer, facts: Mapping[str, str]) -> None:
     with collective(reducer.rank, "start-up check"):
         dist.all_gather_object(gathered, dict(facts), group=reducer.group)
     reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        for key, value in reference.items():
-            if other.get(key) != value:
-                raise DistributedError(f"rank {rank} differs from rank 0 in its {key} ({other.get(key)} against {value}): "
-                                       "start every rank with the same model, batch, budget and options")
+    differs = [(rank, key) for rank, other in enumerate(gathered[1:], start=1) for key in reference
+               if other.get(key) != reference[key]]
+    if differs:
+        # Every rank leaves the gather before any raises: a rank that exits at once could cut
+        # another's gather short, which would then report a broken connection instead.
+        with contextlib.suppress(RuntimeError):
+            dist.barrier(group=reducer.group)
+        rank, key = differs[0]
+        other, value = gathered[rank], reference[key]
+        raise DistributedError(f"rank {rank} differs from rank 0 in its {key} ({other.get(key)} against {value}): "
+                               "start every rank with the same model, batch, budget and options")
 
 
 __all__ = [

@@ -156,3 +156,18 @@ def test_ranks_with_different_budgets_are_refused_at_start(tmp_path):
     for record in run["records"].values():
         assert "rank 1 differs from rank 0 in its budget (64.00 MiB against unlimited)" in record["error"]
         assert "\n" not in record["error"]
+
+
+def test_torchrun_trains_the_cli_model_and_rank_zero_writes_the_report(two_ranks, tmp_path):
+    """``torchrun --nproc-per-node 2 -m ort_offload train``, under a budget that makes the ranks
+    swap (gradients are averaged wherever they are): the global losses of the unbudgeted run."""
+    report_path = tmp_path / "report.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+               "-m", "ort_offload", "train", "--model", "gpt", "--config", "tiny", "--batch", "8", "--steps", "2",
+               "--budget", "0.5x", "--json", str(report_path), "--quiet"]
+    done = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert report["world_size"] == 2 and report["rank"] == 0
+    assert "swap" in report["passes"] and report["within_budget"]
+    np.testing.assert_allclose(report["losses"], two_ranks["records"][0]["losses"][:2], rtol=1e-6, atol=0)
