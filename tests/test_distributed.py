@@ -171,3 +171,32 @@ def test_torchrun_trains_the_cli_model_and_rank_zero_writes_the_report(two_ranks
     assert report["world_size"] == 2 and report["rank"] == 0
     assert "swap" in report["passes"] and report["within_budget"]
     np.testing.assert_allclose(report["losses"], two_ranks["records"][0]["losses"][:2], rtol=1e-6, atol=0)
+
+
+def test_gradients_first_orders_every_gradient_before_every_update(one_process):
+    from graph_passes.liveness import node_io
+    from ort_offload.distributed import gradients_first
+
+    graph = one_process.graph
+    nodes = list(graph.model.graph.node)
+    order = gradients_first(graph.model, graph)
+    assert sorted(order.schedule) == list(range(len(nodes)))
+    position = {index: p for p, index in enumerate(order.schedule)}
+    made_at = {name: position[i] for i, entry in enumerate(node_io(nodes)) for name in entry.outputs}
+    grads = [n for n, role in graph.roles.items() if role == Role.GRAD]
+    assert grads and all(made_at[n] < order.cut for n in grads)
+    assert all(made_at[n] >= order.cut for n in graph.state_pairs.values())
+    assert made_at[graph.loss_name] < order.cut
+
+
+def test_a_global_batch_that_does_not_split_evenly_is_refused():
+    import torch
+
+    from ort_offload.distributed import shard_batch
+    from ort_offload.errors import InputMismatchError
+
+    batch = (torch.arange(12).reshape(6, 2), np.arange(6))
+    first, second = shard_batch(batch, 1, 3)
+    assert first.tolist() == [[4, 5], [6, 7]] and second.tolist() == [2, 3]
+    with pytest.raises(InputMismatchError, match="does not split evenly over 4 ranks"):
+        shard_batch(batch, 0, 4)
