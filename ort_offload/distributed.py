@@ -167,9 +167,8 @@ class GradientReducer:
         tensors = [torch.from_numpy(array) for array in arrays]
         started = time.perf_counter()
         with collective(self.rank, what):
-            works = [dist.all_reduce(tensor, group=self.group, async_op=True) for tensor in tensors]
-            for work in works:
-                work.wait()
+            for tensor in tensors:  # one at a time: gloo's concurrent async ops mixed up small tensors
+                dist.all_reduce(tensor, group=self.group)
         for tensor in tensors:
             tensor.div_(self.world_size)
         self.stats.comm_time_s += time.perf_counter() - started
