@@ -167,7 +167,7 @@ class GradientReducer:
         tensors = [torch.from_numpy(array) for array in arrays]
         started = time.perf_counter()
         with collective(self.rank, what):
-            for tensor in tensors:  # one at a time: gloo's concurrent async ops mixed up small tensors
+            for tensor in tensors:  # one at a time, in the same order on every rank (docs/decisions.md)
                 dist.all_reduce(tensor, group=self.group)
         for tensor in tensors:
             tensor.div_(self.world_size)
