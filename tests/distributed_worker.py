@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--rank-budget", default=None, help="RANK=BUDGET: this rank starts with another budget")
     parser.add_argument("--save-after", type=int, default=0, help="save a checkpoint after this step")
     parser.add_argument("--die-at", type=int, default=0, help="rank 1 exits abruptly before this step")
-    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (covers rank 0's export)")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()

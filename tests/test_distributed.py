@@ -142,7 +142,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
 
 
 def test_a_killed_rank_ends_the_other_with_an_error(tmp_path):
-    run = run_ranks(tmp_path, "--steps", str(STEPS), "--die-at", "2", "--timeout", "20")
+    run = run_ranks(tmp_path, "--steps", str(STEPS), "--die-at", "2")
     assert run["codes"][1] == 3
     assert run["codes"][0] == 2
     assert run["ended"][0] - run["ended"][1] < 60
