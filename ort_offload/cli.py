@@ -328,7 +328,9 @@ def _device(args):
 
 def _train(args) -> int:
     import ort_offload
+    from ort_offload.distributed import init_from_environment
 
+    ranks = init_from_environment()  # under torchrun: one data-parallel rank of the global --batch
     device = _device(args)
     if _is_dynamic_name(args.model):
         return _train_dynamic(args, device)
@@ -347,7 +349,12 @@ def _train(args) -> int:
     extra = {}
     if args.verify:
         extra["verify"] = _verify(spec, args, trainer, batches)
-    return _finish(trainer, args, extra)
+    code = _finish(trainer, args, extra)
+    if ranks:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    return code
 
 
 def _is_dynamic_name(name: str) -> bool:
@@ -482,17 +489,19 @@ def _run_steps(trainer, batches, *, quiet: bool) -> None:
 def _finish(trainer, args, extra: dict) -> int:
     from rich.console import Console
 
+    from ort_offload.distributed import is_writer
     from ort_offload.report import plot_timeline, render_table, write_json
 
     report = trainer.report()
+    writer = is_writer()  # of several data-parallel ranks, rank 0 writes the files
     if report.get("nonfinite_steps"):
         print(f"ort-offload: warning: {report['nonfinite_steps']} of {report['steps']} "
               f"steps gave NaN or infinite values (first: step {trainer.nonfinite_steps[0]}; null in the JSON report): "
               "lower --lr or check the inputs; --stop-on-nonfinite stops at the first", file=sys.stderr)
-    if getattr(args, "plot_path", None):
+    if getattr(args, "plot_path", None) and writer:
         plot_timeline(args.plot_path, baseline=trainer.runner.baseline_trace, planned=trainer.runner.last_trace,
                       budget_bytes=report["budget_bytes"], title=f"{report['model']}: device bytes over one step")
-    if args.json_path:
+    if args.json_path and writer:
         write_json({**report, **extra}, args.json_path)
     if not args.quiet:
         flat = {}

@@ -68,3 +68,7 @@ class OutputPathError(OffloadError):
 
 class NonFiniteError(OffloadError):
     """A step gave a non-finite loss or state (with ``stop_on_nonfinite``); the state is unchanged."""
+
+
+class DistributedError(OffloadError):
+    """Data-parallel ranks that disagree at start, or a collective that failed (a peer died or timed out)."""

@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,8 +25,10 @@ from ort_offload.export import optimizers
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
 from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.runtime.offload_device import OffloadDevice
-from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError, OffloadError, UnknownDeviceError
-from ort_offload.export.training_step import export_forward, export_training_step, initial_state
+from ort_offload.errors import (
+    CheckpointError, InputMismatchError, NonFiniteError, OffloadError,
+)
+from ort_offload.export.training_step import export_forward
 from ort_offload.export.graph_inputs import check_batch, gather_index_limits
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime.runner import GraphRunner, Runtime
@@ -55,7 +57,8 @@ def resolve_passes(passes: str | Sequence[str]) -> list[str]:
     return list(passes)
 
 
-def _to_numpy(value) -> np.ndarray:
+def as_numpy(value) -> np.ndarray:
+    """A C-contiguous numpy array of a tensor or array-like (0-d stays 0-d)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().contiguous().numpy()
     array = np.asarray(value)  # not ascontiguousarray: it turns 0-d arrays into 1-d ones
@@ -107,9 +110,7 @@ class OrtTrainer:
         self._model_state = [n for n in graph.state_pairs if graph.roles.get(n) in (Role.PARAM, Role.BUFFER)]
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
-        self.runner = GraphRunner(
-            self.runtime, graph, fetches=graph.step_fetches, passes=self.passes
-        )
+        self.runner = self._make_runner(graph)
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
         check_batch(example_batch, {})
@@ -122,6 +123,10 @@ class OrtTrainer:
         # Batch inputs that index a table (token ids into an embedding): their valid range.
         self._index_limits = gather_index_limits(graph.model, {n: self.runtime.info(n).shape for n in graph.state_inputs},
                                                  self.batch_names)
+
+    def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
+        """The runner of the training step (data-parallel training runs its own)."""
+        return GraphRunner(self.runtime, graph, fetches=graph.step_fetches, passes=self.passes)
 
     # ---- properties -------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class OrtTrainer:
     def _feeds(self, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
         if len(batch) != len(names):
             raise InputMismatchError(f"step takes {len(names)} tensors ({', '.join(names)}), got {len(batch)}")
-        return check_batch({n: _to_numpy(t) for n, t in zip(names, batch)}, self._index_limits)
+        return check_batch({n: as_numpy(t) for n, t in zip(names, batch)}, self._index_limits)
 
     def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
         """Check the batch against the graph (state as resident) and get the step's program."""
@@ -333,87 +338,3 @@ class _Shaped:
     @property
     def shape(self):
         return self.info.shape
-
-
-def create_ort_trainer(
-    device: OffloadDevice,
-    model: torch.nn.Module,
-    *,
-    example_inputs: Sequence[torch.Tensor] | None = None,
-    example_targets: Sequence[torch.Tensor] = (),
-    loss_fn: Callable | None = None,
-    optimizer: str | optimizers.OptimizerConfig = "adamw",
-    lr: float | None = None,
-    input_names: Sequence[str] | None = None,
-    target_names: Sequence[str] | None = None,
-    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
-    passes: str | Sequence[str] = "auto",
-    name: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    stop_on_nonfinite: bool = False,
-    **optimizer_options,
-) -> OrtTrainer:
-    """A trainer for ``model`` on ``device``.
-
-    ``example_inputs`` are the model's inputs and ``example_targets`` the extra arguments of
-    ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward must return the
-    loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.export.optimizers`;
-    ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
-    Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
-    ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
-    :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
-
-    A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
-    :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer` instead: its Python control flow runs
-    as written and its blocks run block-wise under the budget; ``example_inputs`` then only
-    gives the number of inputs (default 1), and ``loss_fn`` defaults to the model's output.
-    """
-    if not isinstance(device, OffloadDevice):
-        raise TypeError("device must come from ort_offload.set_offload_device(...)")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from ort_offload.dynamic.trainer import BlockwiseTrainer, is_dynamic_model
-
-    if is_dynamic_model(model):
-        if device.kind != "cpu":
-            raise UnknownDeviceError(
-                f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
-            )
-        if not isinstance(optimizer, str) or optimizer_options:
-            raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
-        return BlockwiseTrainer(
-            model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
-            optimizer=optimizer, lr=lr if lr is not None else 1e-3,
-            num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
-            stop_on_nonfinite=stop_on_nonfinite,
-        )
-    if example_inputs is None:
-        raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
-    pass_list = resolve_passes(passes)
-    config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
-    example_inputs = tuple(example_inputs)
-    example_targets = tuple(example_targets)
-    input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
-    target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
-    name = name or type(model).__name__.lower()
-    result = export_training_step(
-        model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
-        optimizer=config, input_names=input_names, target_names=target_names,
-        dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
-    )
-    logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
-    batch = {n: _to_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
-    return OrtTrainer(
-        device,
-        result.graph,
-        initial_state=initial_state(result.graph, model, lr=config.lr, step=1),
-        example_batch=batch,
-        input_names=input_names,
-        target_names=target_names,
-        passes=pass_list,
-        model=model,
-        optimizer_config=config,
-        dynamic_axes=dynamic_axes,
-        cache_dir=cache_dir,
-        stop_on_nonfinite=stop_on_nonfinite,
-    )

@@ -57,6 +57,7 @@ class PlanningTarget:
     recompute_policy: str = "input_aware"
     selective_recompute: bool = True
     plan_time: float = 0.0  # seconds of genetic swap search after the grid (0: grid only)
+    updates_early: bool = True  # swap plans may move state updates into the backward
     plan_seed: int = 0
 
     @property

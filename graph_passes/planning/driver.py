@@ -66,9 +66,10 @@ class _Unplanned:
 class StepPlanner:
     """Plans one target's graph, per input signature (with what recompute learns across sizes)."""
 
-    def __init__(self, target: PlanningTarget) -> None:
+    def __init__(self, target: PlanningTarget, *, layouts: BlockLayouts | None = None) -> None:
+        """``layouts``: how the graph is lowered into blocks (default: :class:`BlockLayouts`)."""
         self.target = target
-        self.layouts = BlockLayouts(target)
+        self.layouts = layouts or BlockLayouts(target)
         self.recompute = RecomputePlanning(self.layouts, policy=target.recompute_policy,
                                            selective=target.selective_recompute)
         self.infer_infos = shapes.ShapeInference(target.model)  # per new signature
@@ -274,7 +275,7 @@ class StepPlanner:
         graph is also planned with its state updates as soon as their gradients exist
         (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
-        if self.target.profile().copies_overlap_compute and self.target.swap_points is None:
+        if self.target.profile().copies_overlap_compute and self.target.swap_points is None and self.target.updates_early:
             best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
         if best is None:
             return None, needed, None

@@ -180,18 +180,23 @@ class GraphRunner:
     """Runs one training-step (or forward) graph on a :class:`Runtime`."""
 
     def __init__(
-        self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None, passes: Sequence[str] = ()
+        self, runtime: Runtime, graph: TrainingGraph, *, fetches: Sequence[str] | None = None, passes: Sequence[str] = (),
+        planner: StepPlanner | None = None,
     ) -> None:
+        """``planner``: plans this graph (default: the step planner on the device's target)."""
         self.runtime = runtime
         self.graph = graph
         self.fetches = fetches
-        self.planner = StepPlanner(planning_target(graph, runtime.device, fetches=fetches, passes=passes,
-                                                   profile=runtime.planning_profile))
+        self.planner = planner or StepPlanner(planning_target(graph, runtime.device, fetches=fetches, passes=passes,
+                                                              profile=runtime.planning_profile))
         target = self.planner.target
         # The graph as it runs: its standard-op form where it carries swap nodes (they fix where
         # it swaps), order-dependent nodes scheduled last.
         self.model, self.swap_points, self.schedule, self.passes = (target.model, target.swap_points,
                                                                     target.schedule, target.passes)
+        # Called as before_block(execution, block) once a block's inputs are resident, before it
+        # runs (data-parallel training averages gradients there: ort_offload.distributed).
+        self.before_block = None
         self._prepared: dict[tuple, PreparedStep] = {}
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         # The same sessions by what they run (block_content_key): a new recompute
@@ -494,6 +499,24 @@ class _StepExecution:
                 self.stats.fault_log.append((where, name))
                 self._copy_in(name)
 
+    def current_values(self, names) -> dict[str, np.ndarray]:
+        """Each of ``names`` where its value lives now, to be updated in place: its arena
+        memory, else its host copy (every copy in flight finishes first). The host copy of a
+        resident tensor is dropped: it would go stale, and a later swap-out copies again."""
+        self._drain()
+        values = {}
+        for name in names:
+            if name in self.leaving:
+                self._release(name)
+            if name in self.arena:
+                self.host.discard(name)
+                values[name] = self.arena.view(name)
+            elif name in self.host:
+                values[name] = self.host.get(name)
+            else:
+                raise ExecutionError(f"{name!r} is neither in the arena nor on the host")
+        return values
+
     def _copy_in(self, name: str) -> None:
         started = time.perf_counter()
         self._allocate(name, self.block)
@@ -511,6 +534,8 @@ class _StepExecution:
         self.block = step.block
         self._cap(workspace)
         self._ensure_resident(block.inputs, f"block {step.block}")
+        if self.runner.before_block is not None:
+            self.runner.before_block(self, step.block)
         for name, pieces in allocation_units(self.prepared.program, step.allocates):
             if pieces:
                 self._allocate_view(name, pieces, step.block)

@@ -1,0 +1,129 @@
+"""``create_ort_trainer``: the trainer for a torch model on an offload device.
+
+A static model is exported as one training-step graph and trained by an
+:class:`~ort_offload.trainer.OrtTrainer` (one rank of a
+:class:`~ort_offload.distributed.DistributedTrainer` when a process group is given or
+initialised); a dynamic model gets a :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ort_offload.distributed import DistributedTrainer, data_parallel_group, rank_zero_first, shard_batch
+from ort_offload.dynamic.trainer import BlockwiseTrainer, is_dynamic_model
+from ort_offload.errors import InputMismatchError, UnknownDeviceError, UnsupportedGraphError
+from ort_offload.export import optimizers
+from ort_offload.export.training_step import export_training_step, initial_state
+from ort_offload.runtime.offload_device import OffloadDevice
+from ort_offload.trainer import OrtTrainer, as_numpy, resolve_passes
+
+logger = logging.getLogger(__name__)
+
+
+def create_ort_trainer(
+    device: OffloadDevice,
+    model: torch.nn.Module,
+    *,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    loss_fn: Callable | None = None,
+    optimizer: str | optimizers.OptimizerConfig = "adamw",
+    lr: float | None = None,
+    input_names: Sequence[str] | None = None,
+    target_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    passes: str | Sequence[str] = "auto",
+    name: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    stop_on_nonfinite: bool = False,
+    process_group: Any = None,
+    **optimizer_options,
+) -> OrtTrainer:
+    """A trainer for ``model`` on ``device``.
+
+    ``example_inputs`` are the model's inputs and ``example_targets`` the extra arguments of
+    ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward must return the
+    loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.export.optimizers`;
+    ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
+    Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
+    ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
+    :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
+    ``process_group`` (default: torch.distributed's default group, where initialised) makes the
+    trainer one data-parallel rank (:mod:`ort_offload.distributed`): example and step batches
+    are global, each rank trains on its shard, and gradients are averaged inside the step.
+
+    A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
+    :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer` instead: its Python control flow runs
+    as written and its blocks run block-wise under the budget; ``example_inputs`` then only
+    gives the number of inputs (default 1), and ``loss_fn`` defaults to the model's output.
+    """
+    if not isinstance(device, OffloadDevice):
+        raise TypeError("device must come from ort_offload.set_offload_device(...)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    group = data_parallel_group(process_group)
+    if is_dynamic_model(model):
+        if group is not None:
+            raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
+        if not isinstance(optimizer, str) or optimizer_options:
+            raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
+        return _blockwise_trainer(device, model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                  lr=lr, name=name, cache_dir=cache_dir, stop_on_nonfinite=stop_on_nonfinite)
+    if example_inputs is None:
+        raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
+    pass_list = resolve_passes(passes)
+    config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
+    example_inputs = tuple(example_inputs)
+    example_targets = tuple(example_targets)
+    trainer_class, rank_options = OrtTrainer, {}
+    if group is not None:  # the examples are a global batch: the graph is this rank's shard's
+        rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        example_inputs = shard_batch(example_inputs, rank, world_size)
+        example_targets = shard_batch(example_targets, rank, world_size)
+        trainer_class, rank_options = DistributedTrainer, {"process_group": group}
+    input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
+    target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
+    name = name or type(model).__name__.lower()
+    with rank_zero_first(group):
+        result = export_training_step(
+            model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
+            optimizer=config, input_names=input_names, target_names=target_names,
+            dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
+        )
+    logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
+    batch = {n: as_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
+    return trainer_class(
+        device,
+        result.graph,
+        initial_state=initial_state(result.graph, model, lr=config.lr, step=1),
+        example_batch=batch,
+        input_names=input_names,
+        target_names=target_names,
+        passes=pass_list,
+        model=model,
+        optimizer_config=config,
+        dynamic_axes=dynamic_axes,
+        cache_dir=cache_dir,
+        stop_on_nonfinite=stop_on_nonfinite,
+        **rank_options,
+    )
+
+
+def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example_inputs, loss_fn, optimizer: str,
+                       lr: float | None, name: str | None, cache_dir, stop_on_nonfinite: bool) -> BlockwiseTrainer:
+    """The trainer of a dynamic model: its control flow runs as written, its blocks block-wise."""
+    if device.kind != "cpu":
+        raise UnknownDeviceError(
+            f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
+        )
+    return BlockwiseTrainer(
+        model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
+        optimizer=optimizer, lr=lr if lr is not None else 1e-3,
+        num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
+        stop_on_nonfinite=stop_on_nonfinite,
+    )

@@ -1,0 +1,396 @@
+"""Data-parallel training on torch.distributed: one trainer per rank, gradients averaged in the step.
+
+Owns what makes an :class:`~ort_offload.trainer.OrtTrainer` one of N data-parallel ranks:
+picking up the process group, splitting the global batch by rank, the step order that puts
+every gradient before every state update (:func:`gradients_first`, with a block cut between
+them), the all-reduce of the gradients at that cut (in place, over tensors that share memory
+with the arena or the host store), the start-up check that every rank runs the same graph,
+budget and plan, and the communication statistics of the report.
+
+The collectives are torch.distributed's (gloo on the CPU device); ranks that die or time out
+surface as :class:`~ort_offload.errors.DistributedError` on the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+import torch
+import torch.distributed as dist
+
+from graph_passes.ir.liveness import ancestor_nodes, node_io
+from graph_passes.planning.schedule import training_spine
+from graph_passes.ir.training_graph import Role, TrainingGraph
+from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
+from graph_passes.planning.driver import StepPlanner
+from ort_offload.runtime.offload_device import OffloadDevice
+from ort_offload.runtime.planning import planning_target
+from ort_offload.errors import DistributedError, InputMismatchError, UnknownDeviceError, UnsupportedGraphError
+from ort_offload.runtime.runner import GraphRunner
+from ort_offload.trainer import OrtTrainer
+
+logger = logging.getLogger(__name__)
+
+# Seconds a collective waits for a rank that is alive but silent (the CLI's process group); a
+# rank that exits closes its connections, which the others see at once. Rank 0 exports the
+# step while the others wait at a barrier, so this must cover an export.
+DEFAULT_TIMEOUT_S = 300.0
+# The report keys a data-parallel trainer adds to OrtTrainer's.
+DISTRIBUTED_REPORT_KEYS = ("world_size", "rank", "allreduce_bytes", "comm_time_s", "comm_overlap_fraction")
+
+
+# ---- process group and batch --------------------------------------------------------------
+
+
+def data_parallel_group(process_group: Any = None):
+    """The group to train data-parallel over: ``process_group``, else the default group where
+    one is initialised, else None (a single-process trainer)."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def init_from_environment(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Initialise the default gloo group from torchrun's environment (``WORLD_SIZE``, ``RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT``); True if this process is one of several ranks."""
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("rank %d of %d: gloo process group initialised", dist.get_rank(), dist.get_world_size())
+    return True
+
+
+def is_writer(group: Any = None) -> bool:
+    """Whether this process writes shared files: rank 0, or a process without a group."""
+    group = data_parallel_group(group)
+    return group is None or dist.get_rank(group) == 0
+
+
+@contextlib.contextmanager
+def rank_zero_first(group: Any):
+    """Rank 0 runs the body first, the others after it (they then read its export cache entry
+    instead of exporting the same step at once)."""
+    if group is None:
+        yield
+        return
+    rank = dist.get_rank(group)
+    if rank != 0:
+        with collective(rank, "waiting for rank 0's export"):
+            dist.barrier(group=group)
+    yield
+    if rank == 0:
+        with collective(rank, "export barrier"):
+            dist.barrier(group=group)
+
+
+def shard_batch(batch: Sequence[Any], rank: int, world_size: int) -> tuple:
+    """This rank's slice (along the first axis) of each tensor of the global ``batch``."""
+    shards = []
+    for tensor in batch:
+        size = int(tensor.shape[0]) if getattr(tensor, "ndim", 0) else 0
+        if size == 0 or size % world_size:
+            raise InputMismatchError(f"a global batch of {size} does not split evenly over {world_size} ranks: "
+                                     f"give a batch size divisible by {world_size}")
+        per_rank = size // world_size
+        shards.append(tensor[rank * per_rank:(rank + 1) * per_rank])
+    return tuple(shards)
+
+
+# ---- the step order ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOrder:
+    """A schedule that makes every gradient (and the loss) before any state update, and the
+    position where the updates start (a block boundary)."""
+
+    schedule: tuple[int, ...]
+    cut: int
+
+
+def gradients_first(model: onnx.ModelProto, graph: TrainingGraph, schedule: Sequence[int] | None = None,
+                    io=None) -> GradientOrder:
+    """``schedule`` (default: node order) with the nodes the loss and gradients depend on moved
+    ahead of the rest, each part in its given order (still topological: the moved set is
+    closed under dependencies). Raises :class:`UnsupportedGraphError` for a graph without
+    gradients or whose updated state feeds the loss."""
+    nodes = list(model.graph.node)
+    io = io if io is not None else node_io(nodes)
+    spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])
+    if spine is None:
+        raise UnsupportedGraphError(f"{graph.name} has no gradients: data-parallel training needs a training step")
+    producer = {name: index for index, entry in enumerate(io) for name in entry.outputs}
+    keep = ancestor_nodes(nodes, spine, producer, io)
+    updated = set(graph.state_pairs.values())
+    if any(name in updated for index in keep for name in io[index].outputs):
+        raise UnsupportedGraphError(f"{graph.name}'s loss or gradients read updated state: "
+                                    "data-parallel training needs the updates after the backward")
+    order = list(range(len(nodes))) if schedule is None else list(schedule)
+    first = [index for index in order if index in keep]
+    return GradientOrder(tuple(first + [index for index in order if index not in keep]), len(first))
+
+
+# ---- communication -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CommStats:
+    """What this rank's collectives moved and cost, over the run."""
+
+    allreduce_bytes: int = 0  # gradient bytes this rank handed to all-reduce
+    comm_time_s: float = 0.0  # wall time in collectives of the step
+    hidden_time_s: float = 0.0  # ... of which ran while the step computed
+
+
+class GradientReducer:
+    """Averages arrays across the ranks of a group, in place (torch tensors over their memory)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+
+    def average(self, arrays: Sequence[np.ndarray], *, what: str = "gradient all-reduce") -> None:
+        """Replace each array by its mean over the ranks (no copies: the tensors share memory)."""
+        tensors = [torch.from_numpy(array) for array in arrays]
+        started = time.perf_counter()
+        with collective(self.rank, what):
+            for tensor in tensors:  # one at a time, in the same order on every rank (docs/decisions.md)
+                dist.all_reduce(tensor, group=self.group)
+        for tensor in tensors:
+            tensor.div_(self.world_size)
+        self.stats.comm_time_s += time.perf_counter() - started
+        self.stats.allreduce_bytes += sum(array.nbytes for array in arrays)
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the ranks (a loss)."""
+        tensor = torch.tensor([value], dtype=torch.float64)
+        with collective(self.rank, "loss all-reduce"):
+            dist.all_reduce(tensor, group=self.group)
+        return float(tensor[0] / self.world_size)
+
+    def broadcast(self, array: np.ndarray) -> None:
+        """Overwrite ``array`` with rank 0's (in place)."""
+        with collective(self.rank, "broadcast from rank 0"):
+            dist.broadcast(torch.from_numpy(array), src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def barrier(self, what: str) -> None:
+        with collective(self.rank, what):
+            dist.barrier(group=self.group)
+
+
+class collective:
+    """Turns a failed collective into a one-line :class:`DistributedError` naming this rank."""
+
+    def __init__(self, rank: int, what: str) -> None:
+        self.rank, self.what = rank, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and isinstance(error, (RuntimeError, dist.DistBackendError)) and not isinstance(
+                error, DistributedError):
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise DistributedError(f"rank {self.rank}: {self.what} failed ({first[:200]}): another rank died, "
+                                   "raised or timed out; restart every rank (from the last checkpoint)") from error
+        return False
+
+
+# ---- the runner ----------------------------------------------------------------------------
+
+
+class GradientsFirstLayouts(BlockLayouts):
+    """Block layouts in the gradients-first order, cut where the updates start."""
+
+    def __init__(self, target: PlanningTarget) -> None:
+        super().__init__(target)
+        self._orders: dict[tuple, tuple[onnx.ModelProto, GradientOrder]] = {}
+
+    def gradient_order(self, model: onnx.ModelProto, schedule) -> GradientOrder:
+        """:func:`gradients_first` of ``model`` under ``schedule``, once per pair."""
+        key = (id(model), None if schedule is None else tuple(schedule))
+        entry = self._orders.get(key)
+        if entry is None:
+            order = gradients_first(model, self.target.graph, schedule, io=self.node_io_of(model))
+            entry = self._orders[key] = (model, order)
+        return entry[1]
+
+    def lower_program(self, model, infos, schedule, *, max_block_nodes: int, extra_cuts=()):
+        """Every lowering in the gradients-first order, cut where the updates start."""
+        order = self.gradient_order(model, schedule)
+        return super().lower_program(model, infos, order.schedule, max_block_nodes=max_block_nodes,
+                                     extra_cuts=(*extra_cuts, order.cut))
+
+    def updates_cut(self, model, schedule) -> int | None:
+        return self.gradient_order(model, schedule).cut
+
+
+def _data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> StepPlanner:
+    """The step planner of a data-parallel rank: gradients first, no updates interleaved with
+    the backward (they would run before the gradients are averaged)."""
+    target = planning_target(graph, runtime.device, fetches=fetches, passes=passes, profile=runtime.planning_profile)
+    if target.swap_points is not None:
+        raise UnsupportedGraphError(f"{graph.name} carries swap nodes from `ort-offload transform`: "
+                                    "train the untransformed graph data-parallel")
+    order = gradients_first(target.model, graph, target.schedule)
+    target = dataclasses.replace(target, schedule=order.schedule, updates_early=False)
+    return StepPlanner(target, layouts=GradientsFirstLayouts(target))
+
+
+class DataParallelRunner(GraphRunner):
+    """A :class:`GraphRunner` whose programs make every gradient before a block cut and average
+    them across ranks before the first block after it that reads one."""
+
+    def __init__(self, runtime, graph: TrainingGraph, *, reducer: GradientReducer, fetches=None, passes=()) -> None:
+        grads = {n for n, role in graph.roles.items() if role == Role.GRAD}
+        if grads & set(fetches or ()):
+            raise UnsupportedGraphError(f"{graph.name} fetches gradients: data-parallel training averages them "
+                                        "inside the step; fetch the loss only")
+        planner = _data_parallel_planner(runtime, graph, fetches=fetches, passes=passes)
+        super().__init__(runtime, graph, fetches=fetches, passes=passes, planner=planner)
+        self.reducer = reducer
+        self.gradient_names = grads
+        self._reduce_points: dict[int, tuple[Any, int | None, tuple[str, ...]]] = {}  # id(program) -> ...
+        self.before_block = self._before_block
+
+    def reduce_point(self, program) -> tuple[int | None, tuple[str, ...]]:
+        """(the first block reading a gradient, every gradient the program makes, by name)."""
+        entry = self._reduce_points.get(id(program))
+        if entry is None:
+            made = sorted({n for block in program.blocks for n in block.outputs if n in self.gradient_names})
+            first = next((b.index for b in program.blocks if any(n in self.gradient_names for n in b.inputs)), None)
+            entry = self._reduce_points[id(program)] = (program, first, tuple(made))
+        return entry[1], entry[2]
+
+    def _before_block(self, execution, block: int) -> None:
+        first, names = self.reduce_point(execution.prepared.program)
+        if block == first:
+            values = execution.current_values(names)
+            self.reducer.average([values[n] for n in names])
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+
+
+class DistributedTrainer(OrtTrainer):
+    """One data-parallel rank: trains on its shard of each global batch, with gradients
+    averaged across the group inside the step, so every rank holds the same state."""
+
+    def __init__(self, device: OffloadDevice, graph: TrainingGraph, *, process_group: Any, **options) -> None:
+        """As :class:`OrtTrainer`, with ``example_batch`` this rank's shard."""
+        if device.kind != "cpu":
+            raise UnknownDeviceError(f"data-parallel training runs on the CPU device (gloo) for now, not {device.name}")
+        self.group = process_group
+        self.reducer = GradientReducer(process_group)
+        self.rank, self.world_size = self.reducer.rank, self.reducer.world_size
+        check_agreement(self.reducer, start_facts(graph, device, options.get("example_batch", {})))
+        super().__init__(device, graph, **options)
+        for name in graph.state_inputs:  # rank 0's initial state everywhere (as DDP's constructor)
+            array = self.runtime.read(name)
+            self.reducer.broadcast(array)
+            self.runtime.write(name, array)
+        check_agreement(self.reducer, plan_facts(self))
+        self._buffers = [n for n in graph.state_pairs if graph.roles.get(n) == Role.BUFFER]
+
+    def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
+        return DataParallelRunner(self.runtime, graph, reducer=self.reducer, fetches=graph.step_fetches,
+                                  passes=self.passes)
+
+    def step(self, *batch) -> float:
+        """One step on the global ``batch``: this rank's shard runs here; returns the global loss."""
+        local = shard_batch(batch, self.rank, self.world_size)
+        loss = super().step(*local)
+        for name in self._buffers:  # statistics of this rank's shard: rank 0's win (as DDP)
+            array = self.runtime.read(name)
+            self.reducer.broadcast(array)
+            self.runtime.write(name, array)
+        if self.graph.loss_name is None:
+            return loss
+        loss = self.reducer.mean(loss)
+        self.losses[-1] = loss
+        return loss
+
+    def save(self, path) -> Path:
+        """Rank 0 writes the checkpoint (every rank holds the same state); all return once it exists."""
+        written = super().save(path) if self.rank == 0 else Path(path)
+        self.reducer.barrier("checkpoint barrier")
+        return written
+
+    def report(self) -> dict[str, Any]:
+        """:class:`OrtTrainer`'s report with the data-parallel keys (:data:`DISTRIBUTED_REPORT_KEYS`)."""
+        stats = self.reducer.stats
+        report = super().report()
+        report.update({
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "allreduce_bytes": stats.allreduce_bytes,
+            "comm_time_s": stats.comm_time_s,
+            "comm_overlap_fraction": stats.hidden_time_s / stats.comm_time_s if stats.comm_time_s else 0.0,
+        })
+        return report
+
+
+# ---- start-up agreement --------------------------------------------------------------------
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def start_facts(graph: TrainingGraph, device: OffloadDevice, batch: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """What every rank must agree on before planning: the graph, the budget, the batch shard."""
+    return {
+        "graph": _digest(graph.model.graph.SerializeToString()),
+        "budget": "unlimited" if device.budget is None else str(device.budget),
+        "batch shard": ", ".join(f"{n} {tuple(a.shape)}" for n, a in batch.items()),
+    }
+
+
+def plan_facts(trainer: OrtTrainer) -> dict[str, str]:
+    """What every rank must agree on after planning: the budget in bytes and the gradients it averages."""
+    prepared = trainer.runner.last_prepared
+    _, names = trainer.runner.reduce_point(prepared.program)
+    shapes = ";".join(f"{n}{prepared.infos[n].shape}{prepared.infos[n].dtype}" for n in names)
+    return {"budget bytes": str(trainer.runtime.budget_bytes), "averaged gradients": _digest(shapes.encode())}
+
+
+def check_agreement(reducer: GradientReducer, facts: Mapping[str, str]) -> None:
+    """Raise :class:`DistributedError` on every rank if any rank's ``facts`` differ from rank 0's."""
+    gathered: list[Any] = [None] * reducer.world_size
+    with collective(reducer.rank, "start-up check"):
+        dist.all_gather_object(gathered, dict(facts), group=reducer.group)
+    reference = gathered[0]
+    differs = [(rank, key) for rank, other in enumerate(gathered[1:], start=1) for key in reference
+               if other.get(key) != reference[key]]
+    if differs:
+        # Every rank leaves the gather before any raises: a rank that exits at once could cut
+        # another's gather short, which would then report a broken connection instead.
+        with contextlib.suppress(RuntimeError):
+            dist.barrier(group=reducer.group)
+        rank, key = differs[0]
+        other, value = gathered[rank], reference[key]
+        raise DistributedError(f"rank {rank} differs from rank 0 in its {key} ({other.get(key)} against {value}): "
+                               "start every rank with the same model, batch, budget and options")
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "DISTRIBUTED_REPORT_KEYS", "CommStats", "DataParallelRunner", "DistributedTrainer",
+    "GradientOrder", "GradientReducer", "data_parallel_group", "gradients_first", "init_from_environment",
+    "is_writer", "rank_zero_first", "shard_batch",
+]
