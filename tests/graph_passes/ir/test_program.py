@@ -212,13 +212,13 @@ def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     g = step_graph()
     runner = GraphRunner(Runtime(set_offload_device("cpu")), g, fetches=["loss"])
     seen = []
-    infer = runner.infer_infos
+    infer = runner.planner.infer_infos
 
     def recording(*args, **kwargs):
         seen.append(gc.isenabled())
         return infer(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "infer_infos", recording)
+    monkeypatch.setattr(runner.planner, "infer_infos", recording)
     assert gc.isenabled()
     runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
     runner.prepare(shapes.check_inputs(g.model, feeds(batch=5)))
