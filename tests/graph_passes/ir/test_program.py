@@ -233,7 +233,7 @@ def test_new_signatures_are_prepared_with_the_collector_paused(monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("shape inference failed")
 
-    monkeypatch.setattr(runner, "infer_infos", failing)
+    monkeypatch.setattr(runner.planner, "infer_infos", failing)
     with pytest.raises(RuntimeError):
         runner.prepare(shapes.check_inputs(g.model, feeds(batch=7)))
     assert gc.isenabled()
