@@ -78,8 +78,30 @@ def create_ort_trainer(
         raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
     pass_list = resolve_passes(passes)
     config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
-    example_inputs = tuple(example_inputs)
-    example_targets = tuple(example_targets)
+    return _static_trainer(device, model, tuple(example_inputs), tuple(example_targets), config=config, group=group,
+                           loss_fn=loss_fn, input_names=input_names, target_names=target_names,
+                           dynamic_axes=dynamic_axes, passes=pass_list, name=name, cache_dir=cache_dir,
+                           stop_on_nonfinite=stop_on_nonfinite)
+
+def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example_inputs, loss_fn, optimizer: str,
+                       lr: float | None, name: str | None, cache_dir, stop_on_nonfinite: bool) -> BlockwiseTrainer:
+    """The trainer of a dynamic model: its control flow runs as written, its blocks block-wise."""
+    if device.kind != "cpu":
+        raise UnknownDeviceError(
+            f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
+        )
+    return BlockwiseTrainer(
+        model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
+        optimizer=optimizer, lr=lr if lr is not None else 1e-3,
+        num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
+        stop_on_nonfinite=stop_on_nonfinite,
+    )
+
+
+def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_inputs: tuple, example_targets: tuple, *,
+                    config, group, loss_fn, input_names, target_names, dynamic_axes, passes, name, cache_dir,
+                    stop_on_nonfinite: bool) -> OrtTrainer:
+    """Export ``model``'s training step and build its trainer (one rank's, with a process group)."""
     trainer_class, rank_options = OrtTrainer, {}
     if group is not None:  # the examples are a global batch: the graph is this rank's shard's
         rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
@@ -104,26 +126,11 @@ def create_ort_trainer(
         example_batch=batch,
         input_names=input_names,
         target_names=target_names,
-        passes=pass_list,
+        passes=passes,
         model=model,
         optimizer_config=config,
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
         stop_on_nonfinite=stop_on_nonfinite,
         **rank_options,
-    )
-
-
-def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example_inputs, loss_fn, optimizer: str,
-                       lr: float | None, name: str | None, cache_dir, stop_on_nonfinite: bool) -> BlockwiseTrainer:
-    """The trainer of a dynamic model: its control flow runs as written, its blocks block-wise."""
-    if device.kind != "cpu":
-        raise UnknownDeviceError(
-            f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
-        )
-    return BlockwiseTrainer(
-        model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
-        optimizer=optimizer, lr=lr if lr is not None else 1e-3,
-        num_inputs=len(example_inputs) if example_inputs is not None else 1, name=name, cache_dir=cache_dir,
-        stop_on_nonfinite=stop_on_nonfinite,
     )
