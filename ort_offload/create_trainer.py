@@ -57,7 +57,7 @@ def create_ort_trainer(
     trainer one data-parallel rank (:mod:`ort_offload.distributed`): example and step batches
     are global, each rank trains on its shard, and gradients are averaged inside the step.
 
-    A dynamic model (one with ``blocks()`` and ``path()``, DESIGN.md "Dynamic networks") gets a
+    A dynamic model (one with ``blocks()`` and ``path()``, docs/design.md "Dynamic networks") gets a
     :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer` instead: its Python control flow runs
     as written and its blocks run block-wise under the budget; ``example_inputs`` then only
     gives the number of inputs (default 1), and ``loss_fn`` defaults to the model's output.

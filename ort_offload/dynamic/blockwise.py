@@ -1,4 +1,4 @@
-"""Block-wise training of dynamic networks (DESIGN.md, "Dynamic networks (DyNN-Offload)").
+"""Block-wise training of dynamic networks (docs/design.md, "Dynamic networks (DyNN-Offload)").
 
 Owns the export of one block's vector-Jacobian step (:func:`export_block_step`), its split into
 a forward part and a backward part (:func:`split_step`), the ONNX Runtime sessions of both parts

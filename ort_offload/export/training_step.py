@@ -1,6 +1,6 @@
 """torch → one ONNX graph of a whole training step (forward, backward, optimizer update).
 
-The path (DESIGN.md, "Facts measured"): ``torch.export.export`` of a module whose forward
+The path (docs/decisions.md, torch and ONNX Runtime facts): ``torch.export.export`` of a module whose forward
 returns the loss, ``_export_forward_backward`` for the joint forward/backward graph, and a
 re-export of that joint graph with ``torch.onnx.export(dynamo=True)`` so the backward is made of
 standard ONNX ops. The optimizer update is then appended as ONNX ops

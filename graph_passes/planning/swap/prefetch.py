@@ -1,7 +1,6 @@
 """Prefetch placement: move each ``SwapIn`` as early in the program as memory allows, so its
 copy runs under the compute of the blocks it moves across (SwapAdvisor §3: "prefetch as early as
-possible"; issue item "place each SwapIn as early as memory allows so the copy hides under
-compute").
+possible").
 
 The swap planner places swap-ins just in time, right before the step that needs them; the
 runtime (and :mod:`graph_passes.cost.simulator`) issues a swap-in when it reaches it in the program,
