@@ -835,6 +835,8 @@ def initial_state(
             state[input_name] = np.array(lr, dtype=np.float32)
         elif input_name == optimizers.STEP_INPUT:
             state[input_name] = np.array(step, dtype=np.float32)
+        elif input_name == optimizers.APPLY_INPUT:
+            state[input_name] = np.array(0.0, dtype=np.float32)
         elif input_name in tensors:
             state[input_name] = np.array(tensors[input_name], copy=True, order="C")
         else:

@@ -21,7 +21,7 @@ import torch
 
 from graph_passes.shapes import check_inputs
 from graph_passes.training_graph import Role, TrainingGraph
-from ort_offload import optimizers
+from ort_offload import loop_graphs, optimizers, torch_checkpoint, torch_optim
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
 from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.device import OffloadDevice
@@ -80,6 +80,9 @@ class OrtTrainer:
         dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
         cache_dir: str | os.PathLike | None = None,
         stop_on_nonfinite: bool = False,
+        loop: loop_graphs.LoopGraphs | None = None,
+        scheduler: torch_optim.Scheduler | None = None,
+        param_order: Sequence[str] | None = None,
     ) -> None:
         """Place ``initial_state`` on the device and check the budget for ``example_batch``.
 
@@ -88,6 +91,9 @@ class OrtTrainer:
         ``stop_on_nonfinite``: a step whose loss or updated state is NaN or infinite raises
         :class:`NonFiniteError` and leaves the state as it was (each step then keeps a host copy
         of the state it updates); otherwise such steps are counted in ``report()``.
+        ``loop``: accumulate/clip graphs (``graph`` is then ``loop.update``); ``scheduler`` sets the
+        learning rate of each update; ``param_order``: parameter names in the optimizer's order
+        (the torch-format checkpoint's indices).
         """
         self.device = device
         self.graph = graph
@@ -112,6 +118,11 @@ class OrtTrainer:
         )
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
+        self.loop = loop
+        self.scheduler = scheduler
+        self.param_order = list(param_order) if param_order is not None else None
+        self.grad_norms: list[float] = []  # the global gradient norm of each update (before clipping)
+        self._micro = 0  # micro-batches done of the update in progress
         check_batch(example_batch, {})
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
@@ -156,15 +167,36 @@ class OrtTrainer:
         # Real values for any shape probe: data-dependent shapes must see the actual batch.
         return runner.prepare(infos, probe_feeds=lambda: {**{n: runtime.view(n) for n in runner.graph.state_inputs}, **feeds})
 
+    @property
+    def accumulation_steps(self) -> int:
+        return 1 if self.loop is None else self.loop.accumulation_steps
+
     def step(self, *batch) -> float:
-        """One training step on ``batch`` (model inputs, then targets); returns the loss."""
+        """One training step on ``batch`` (model inputs, then targets); returns the loss.
+
+        With ``accumulation_steps=k`` each call is one micro-batch and every k-th call updates."""
         feeds = self._feeds(batch, self.batch_names)
-        prepared = self._prepare(self.runner, feeds)
-        before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
-        outputs = self.runner.run(feeds, prepared)
+        last = self._micro + 1 >= self.accumulation_steps
+        runner = self.runner
+        if last and self.scheduler is not None:
+            self.lr = self.scheduler.lr
+        if self.accumulation_steps > 1:
+            self.runtime.write(loop_graphs.APPLY_INPUT, np.array(float(last), dtype=np.float32))
+        prepared = self._prepare(runner, feeds)
+        before = {n: self.runtime.read(n) for n in runner.graph.state_pairs} if self.stop_on_nonfinite else None
+        outputs = runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
         loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
         self._check_finite(loss, before)
+        if not last:
+            self._micro += 1
+            self.losses.append(loss)
+            return loss
+        self._micro = 0
+        if loop_graphs.GRAD_NORM_OUTPUT in outputs:
+            self.grad_norms.append(float(outputs[loop_graphs.GRAD_NORM_OUTPUT]))
+        if self.scheduler is not None:
+            self.scheduler.step()
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
@@ -194,7 +226,7 @@ class OrtTrainer:
             logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
                            "report()['nonfinite_steps']", step, self.name, where)
 
-    def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
+    def eval(self, *inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
         if self.model is None:
             raise OffloadError("eval() needs the torch model; this trainer was built from an ONNX graph")
@@ -208,7 +240,7 @@ class OrtTrainer:
         runner = self._eval_runner
         prepared = self._prepare(runner, feeds)
         outputs = runner.run(feeds, prepared)
-        values = [outputs[n] for n in runner.graph.output_names]
+        values = [torch.from_numpy(outputs[n]) for n in runner.graph.output_names]
         return values[0] if len(values) == 1 else tuple(values)
 
     # ---- state --------------------------------------------------------------------------------
@@ -222,6 +254,7 @@ class OrtTrainer:
         arrays = self._checked_state(state)
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
+        self._micro = 0
         if optimizers.STEP_INPUT in arrays:  # it holds the number of the next step
             self._step_count = _step_number(arrays[optimizers.STEP_INPUT]) - 1
 
@@ -237,11 +270,27 @@ class OrtTrainer:
             raise CheckpointError(f"{optimizers.LR_INPUT} must be at least 0, got {lr.tolist()}")
         return arrays
 
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state in torch's layout: ``{"model": module state_dict, "optimizer": torch.optim
+        state_dict, "step": updates done}``, loadable by plain torch (and :meth:`load_torch_state_dict`)."""
+        return torch_checkpoint.torch_state_dict(self)
+
+    def load_torch_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`torch_state_dict`'s layout (from this trainer or plain torch);
+        everything is checked before anything changes."""
+        torch_checkpoint.load_torch_state_dict(self, state)
+
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint atomically (a temporary file renamed into place).
+        """Write a checkpoint atomically (a temporary file renamed into place): torch's layout
+        (:meth:`torch_state_dict`, ``torch.save``) for a ``.pt``/``.pth`` path, else ``.npz``.
 
         Raises :class:`CheckpointError`, with nothing written, when the state is not finite or
         the file cannot be written; a temporary file a killed save left is swept first."""
+        if self._micro:
+            raise CheckpointError(f"{self._micro} of {self.accumulation_steps} micro-batches of an update are done: "
+                                  "save after the update")
+        if torch_checkpoint.is_torch_path(path):
+            return torch_checkpoint.save(path, self.torch_state_dict())
         return write_checkpoint(path, Checkpoint(model=self.name, steps=self._step_count, losses=list(self.losses),
                                                  state=self.state_dict()))
 
@@ -249,6 +298,9 @@ class OrtTrainer:
         """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad.
 
         The file, its metadata and every tensor are checked before anything is written."""
+        if torch_checkpoint.is_torch_checkpoint(path):
+            self.load_torch_state_dict(torch_checkpoint.load(path))
+            return
         checkpoint = read_checkpoint(path)
         arrays = self._checked_state(checkpoint.state)
         step = arrays.get(optimizers.STEP_INPUT)
@@ -258,6 +310,7 @@ class OrtTrainer:
         self.load_state_dict(arrays)
         self._step_count = checkpoint.steps
         self.losses = list(checkpoint.losses)
+        self._micro = 0
 
     def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
@@ -312,6 +365,8 @@ class OrtTrainer:
             "device_overhead_bytes": overhead,
         }
         assert tuple(report) == REPORT_KEYS
+        if self.loop is not None:  # extension: the global gradient norm of each update
+            report["grad_norms"] = list(self.grad_norms)
         return report
 
 
@@ -342,7 +397,7 @@ def create_ort_trainer(
     example_inputs: Sequence[torch.Tensor] | None = None,
     example_targets: Sequence[torch.Tensor] = (),
     loss_fn: Callable | None = None,
-    optimizer: str | optimizers.OptimizerConfig = "adamw",
+    optimizer: str | optimizers.OptimizerConfig | torch.optim.Optimizer = "adamw",
     lr: float | None = None,
     input_names: Sequence[str] | None = None,
     target_names: Sequence[str] | None = None,
@@ -351,6 +406,9 @@ def create_ort_trainer(
     name: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     stop_on_nonfinite: bool = False,
+    grad_clip_norm: float | None = None,
+    accumulation_steps: int = 1,
+    lr_scheduler: Any = None,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -359,6 +417,12 @@ def create_ort_trainer(
     ``loss_fn(outputs, *targets)``; without ``loss_fn`` the model's forward must return the
     loss. ``optimizer`` is "adamw", "sgd" or a config from :mod:`ort_offload.optimizers`;
     ``lr`` and other keyword options (``weight_decay``, ``betas``, ``momentum``) configure it.
+    A ``torch.optim.AdamW`` / ``Adam`` / ``SGD`` object is read for its hyper-parameters (its
+    state stays empty; the graph computes the update); others are refused, pointing to
+    :func:`ort_offload.offload`. ``grad_clip_norm`` clips the global gradient norm in the graph,
+    ``accumulation_steps=k`` makes each ``step()`` a micro-batch and every k-th an update (the
+    mean of the k gradients), ``lr_scheduler`` (any ``torch.optim.lr_scheduler`` object) sets
+    each update's learning rate and steps after it.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
     ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
@@ -379,7 +443,8 @@ def create_ort_trainer(
             raise UnknownDeviceError(
                 f"dynamic networks train on the CPU device only for now, not {device.name}: use set_offload_device('cpu')"
             )
-        if not isinstance(optimizer, str) or optimizer_options:
+        if not isinstance(optimizer, str) or optimizer_options or grad_clip_norm is not None or \
+                accumulation_steps != 1 or lr_scheduler is not None:
             raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
         return BlockwiseTrainer(
             model, loss_fn if loss_fn is not None else (lambda output, *targets: output), device=device,
@@ -390,7 +455,14 @@ def create_ort_trainer(
     if example_inputs is None:
         raise InputMismatchError("create_ort_trainer needs example_inputs for a static model (the export traces them)")
     pass_list = resolve_passes(passes)
-    config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if lr is not None or optimizer_options:
+            raise InputMismatchError("with a torch.optim optimizer, set lr and other options on it, not here")
+        config = torch_optim.config_from_torch(optimizer)
+    else:
+        config = optimizers.make_optimizer(optimizer, lr=lr, **optimizer_options)
+    use_loop = loop_graphs.check_loop_options(accumulation_steps, grad_clip_norm)
+    scheduler = torch_optim.Scheduler(lr_scheduler, config) if lr_scheduler is not None else None
     example_inputs = tuple(example_inputs)
     example_targets = tuple(example_targets)
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
@@ -398,15 +470,19 @@ def create_ort_trainer(
     name = name or type(model).__name__.lower()
     result = export_training_step(
         model, example_inputs=example_inputs, example_targets=example_targets, loss_fn=loss_fn,
-        optimizer=config, input_names=input_names, target_names=target_names,
+        optimizer=None if use_loop else config, input_names=input_names, target_names=target_names,
         dynamic_axes=dynamic_axes, name=name, cache_dir=cache_dir,
     )
     logger.info("training graph %s: %d nodes (cache %s)", name, len(result.graph.graph.node), "hit" if result.cache_hit else "miss")
+    loop = loop_graphs.build_loop_graphs(result.graph, config, accumulation_steps=accumulation_steps,
+                                         grad_clip_norm=grad_clip_norm) if use_loop else None
+    graph = loop.update if loop is not None else result.graph
+    order = torch_optim.param_names(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else None
     batch = {n: _to_numpy(t) for n, t in zip(input_names + target_names, example_inputs + example_targets)}
     return OrtTrainer(
         device,
-        result.graph,
-        initial_state=initial_state(result.graph, model, lr=config.lr, step=1),
+        graph,
+        initial_state=initial_state(graph, model, lr=scheduler.lr if scheduler else config.lr, step=1),
         example_batch=batch,
         input_names=input_names,
         target_names=target_names,
@@ -416,4 +492,7 @@ def create_ort_trainer(
         dynamic_axes=dynamic_axes,
         cache_dir=cache_dir,
         stop_on_nonfinite=stop_on_nonfinite,
+        loop=loop,
+        scheduler=scheduler,
+        param_order=order,
     )
