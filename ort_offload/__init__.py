@@ -55,6 +55,8 @@ _LAZY = {
     "export_training_step": "ort_offload.export",
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.trainer",
+    "offload": "ort_offload.offload_module",
+    "OffloadedModule": "ort_offload.offload_module",
     "load_training_artifact": "ort_offload.ort_artifacts",
     "BlockwiseTrainer": "ort_offload.dynamic_trainer",
     "wrap_blocks": "ort_offload.blockwise",

@@ -173,24 +173,24 @@ def _adamw(b, config: AdamW, param, grad, states, lr, step, dtype):
         decay = b.op("Sub", one, b.op("Mul", lr, b.const(config.weight_decay, dtype)))
         decayed = b.op("Mul", param, decay)
     m, v = states["exp_avg"], states["exp_avg_sq"]
-    m_new = b.op(
-        "Add",
-        b.op("Mul", m, b.const(beta1, dtype)),
-        b.op("Mul", grad, b.const(1.0 - beta1, dtype)),
-        name=updated_name(m.name),
-    )
+    # The same arithmetic as torch's single-tensor Adam: exp_avg.lerp_(grad, 1 - beta1) ...
+    m_new = b.op("Add", m, b.op("Mul", b.op("Sub", grad, m), b.const(1.0 - beta1, dtype)), name=updated_name(m.name))
+    # ... exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) ...
     v_new = b.op(
         "Add",
         b.op("Mul", v, b.const(beta2, dtype)),
-        b.op("Mul", b.op("Mul", grad, grad), b.const(1.0 - beta2, dtype)),
+        b.op("Mul", b.op("Mul", grad, b.const(1.0 - beta2, dtype)), grad),
         name=updated_name(v.name),
     )
-    bias_correction1 = b.op("Sub", one, b.op("Pow", b.const(beta1, dtype), step))
-    bias_correction2 = b.op("Sub", one, b.op("Pow", b.const(beta2, dtype), step))
+    # ... and bias corrections in double precision: 1 - beta2**t cancels catastrophically in float32.
+    f64 = ir.DataType.DOUBLE
+    step64 = b.op("Cast", step, to=f64)
+    one64 = b.const(1.0, f64)
+    bias_correction1 = b.op("Cast", b.op("Sub", one64, b.op("Pow", b.const(beta1, f64), step64)), to=dtype)
+    bias_correction2_sqrt = b.op("Cast", b.op("Sqrt", b.op("Sub", one64, b.op("Pow", b.const(beta2, f64), step64))),
+                                 to=dtype)
     step_size = b.op("Div", lr, bias_correction1)
-    denom = b.op(
-        "Add", b.op("Div", b.op("Sqrt", v_new), b.op("Sqrt", bias_correction2)), b.const(config.eps, dtype)
-    )
+    denom = b.op("Add", b.op("Div", b.op("Sqrt", v_new), bias_correction2_sqrt), b.const(config.eps, dtype))
     p_new = b.op(
         "Sub", decayed, b.op("Mul", step_size, b.op("Div", m_new, denom)), name=updated_name(param.name)
     )

@@ -96,6 +96,9 @@ class Scheduler:
     def __post_init__(self) -> None:
         if len(self.scheduler.optimizer.param_groups) != 1:
             raise _refuse("the in-graph trainer schedules one param group")
+        if getattr(self.scheduler, "cycle_momentum", False):
+            raise _refuse(f"{type(self.scheduler).__name__} cycles momentum; the in-graph trainer schedules lr only "
+                          "(pass cycle_momentum=False)")
         self._check()
 
     @property
