@@ -42,6 +42,8 @@ def config_from_torch(optimizer: torch.optim.Optimizer) -> optimizers.OptimizerC
     if len(optimizer.param_groups) != 1:
         raise _refuse(f"the in-graph trainer takes one param group, the optimizer has {len(optimizer.param_groups)}")
     group = optimizer.param_groups[0]
+    if cls is optimizers.Adam and group.get("decoupled_weight_decay"):
+        cls = optimizers.AdamW  # Adam(decoupled_weight_decay=True) is AdamW
     for option, value in _FIXED.items():
         if option in group and group[option] not in value:
             raise _refuse(f"{type(optimizer).__name__}({option}={group[option]!r}) is not computed in the graph")
