@@ -281,3 +281,15 @@ def test_eval_outputs_are_torch_tensors_equal_to_torch():
         assert isinstance(out, torch.Tensor)
         assert max_relative_diff(out.numpy(), expected.numpy()) <= 1e-5
     assert abs(our_loss.item() - spec.loss_fn(expected, *targets).item()) <= 1e-5
+
+
+def test_export_cache_keys_on_the_input_names(tmp_path):
+    """A cached export made with other input names is not reused (it would miss its inputs)."""
+    spec = get_model("mlp")
+    ((x,), (y,)), = batches("mlp", 1)
+    device = ort_offload.set_offload_device("cpu")
+    for names in (["features"], None):
+        trainer = ort_offload.create_ort_trainer(device, spec.model, loss_fn=spec.loss_fn, example_inputs=(x,),
+                                                 example_targets=(y,), input_names=names, cache_dir=tmp_path)
+        assert trainer.input_names == (names or ["input0"])
+        assert np.isfinite(trainer.step(x, y))
