@@ -107,12 +107,15 @@ class Scheduler:
     def lr(self) -> float:
         return float(self.scheduler.optimizer.param_groups[0]["lr"])
 
-    def step(self) -> None:
+    def step(self, loss: float) -> None:
         """Advance the schedule after an update (torch warns that its optimizer did not step:
-        the graph did)."""
+        the graph did); ``ReduceLROnPlateau`` gets the update's mean micro-batch ``loss``."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-            self.scheduler.step()
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                self.scheduler.step(loss)
+            else:
+                self.scheduler.step()
         self._check()
 
     def _check(self) -> None:

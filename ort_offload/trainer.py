@@ -196,7 +196,8 @@ class OrtTrainer:
         if loop_graphs.GRAD_NORM_OUTPUT in outputs:
             self.grad_norms.append(float(outputs[loop_graphs.GRAD_NORM_OUTPUT]))
         if self.scheduler is not None:
-            self.scheduler.step()
+            update_losses = self.losses[max(0, len(self.losses) - self.accumulation_steps + 1):] + [loss]
+            self.scheduler.step(statistics.fmean(update_losses))
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))

@@ -293,3 +293,61 @@ def test_export_cache_keys_on_the_input_names(tmp_path):
                                                  example_targets=(y,), input_names=names, cache_dir=tmp_path)
         assert trainer.input_names == (names or ["input0"])
         assert np.isfinite(trainer.step(x, y))
+
+
+def test_tied_parameters_in_the_offloaded_module_and_torch_checkpoints(tmp_path):
+    """One tensor under two names: one gradient (both uses), both keys in the torch-format state."""
+    from test_real_models import TiedLM, lm_loss, token_data
+
+    torch.manual_seed(0)
+    data = token_data(steps=3)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    device = ort_offload.set_offload_device("cpu")
+    module = ort_offload.offload(model, device, example_inputs=data[0][0], example_targets=data[0][1],
+                                 loss_fn=lm_loss, cache_dir=tmp_path)
+    for inputs, targets in data:
+        module.zero_grad()
+        reference.zero_grad()
+        module(*inputs, *targets).backward()
+        lm_loss(reference(*inputs), *targets).backward()
+        for ours, theirs in zip(module.parameters(), reference.parameters()):
+            assert max_relative_diff(ours.grad.numpy(), theirs.grad.numpy()) <= 1e-5
+    trainer = ort_offload.create_ort_trainer(device, TiedLM(), loss_fn=lm_loss, example_inputs=data[0][0],
+                                             example_targets=data[0][1], cache_dir=tmp_path)
+    trainer.step(*data[0][0], *data[0][1])
+    state = trainer.torch_state_dict()
+    assert torch.equal(state["model"]["head.weight"], state["model"]["emb.weight"])
+    fresh = TiedLM()
+    fresh.load_state_dict(state["model"])
+    torch.optim.AdamW(fresh.parameters()).load_state_dict(state["optimizer"])
+    trainer.load_torch_state_dict(state)
+
+
+def test_reduce_lr_on_plateau_steps_on_the_update_loss():
+    data = batches("mlp", 4)
+    spec = get_model("mlp")
+    reference = copy.deepcopy(spec.model)
+
+    def plateau(optimizer):  # never "improves" (threshold 1.0): halves the lr after every update
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=1.0)
+
+    optimizer = torch.optim.SGD(spec.model.parameters(), lr=0.1)
+    scheduler = plateau(optimizer)
+    device = ort_offload.set_offload_device("cpu")
+    trainer = ort_offload.create_ort_trainer(device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0],
+                                             example_targets=data[0][1], optimizer=optimizer, lr_scheduler=scheduler)
+    ours = [trainer.step(*i, *t) for i, t in data]
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch_scheduler = plateau(torch_optimizer)
+    theirs = []
+    for inputs, targets in data:
+        loss = spec.loss_fn(reference(*inputs), *targets)
+        torch_optimizer.zero_grad()
+        loss.backward()
+        torch_optimizer.step()
+        torch_scheduler.step(loss.item())
+        theirs.append(loss.item())
+    _close(ours, theirs)
+    assert optimizer.param_groups[0]["lr"] == torch_optimizer.param_groups[0]["lr"] == 0.1 / 16
+    _assert_params_close(trainer.copy_to(copy.deepcopy(spec.model)), reference)
