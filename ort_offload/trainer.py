@@ -91,7 +91,7 @@ class OrtTrainer:
         ``stop_on_nonfinite``: a step whose loss or updated state is NaN or infinite raises
         :class:`NonFiniteError` and leaves the state as it was (each step then keeps a host copy
         of the state it updates); otherwise such steps are counted in ``report()``.
-        ``loop``: accumulate/clip graphs (``graph`` is then ``loop.update``); ``scheduler`` sets the
+        ``loop``: how ``graph`` (``loop.update``) accumulates and clips; ``scheduler`` sets the
         learning rate of each update; ``param_order``: parameter names in the optimizer's order
         (the torch-format checkpoint's indices).
         """
@@ -177,14 +177,13 @@ class OrtTrainer:
         With ``accumulation_steps=k`` each call is one micro-batch and every k-th call updates."""
         feeds = self._feeds(batch, self.batch_names)
         last = self._micro + 1 >= self.accumulation_steps
-        runner = self.runner
         if last and self.scheduler is not None:
             self.lr = self.scheduler.lr
         if self.accumulation_steps > 1:
             self.runtime.write(loop_graphs.APPLY_INPUT, np.array(float(last), dtype=np.float32))
-        prepared = self._prepare(runner, feeds)
-        before = {n: self.runtime.read(n) for n in runner.graph.state_pairs} if self.stop_on_nonfinite else None
-        outputs = runner.run(feeds, prepared)
+        prepared = self._prepare(self.runner, feeds)
+        before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
+        outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
         loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
         self._check_finite(loss, before)
