@@ -922,8 +922,8 @@ def measure_own_loop(settings: Settings, spec, interleave: Interleaver, ref_loss
         model = copy.deepcopy(spec.model)
         example = interleave.batches[0]
         device = ort_offload.set_offload_device("cpu", budget=budget_label)
-        module, setup_s = bench.timed(lambda: ort_offload.offload(
-            model, device, example_inputs=example[:n_inputs], example_targets=example[n_inputs:],
+        module, setup_s = bench.timed(lambda _model=model, _device=device: ort_offload.offload(
+            _model, _device, example_inputs=example[:n_inputs], example_targets=example[n_inputs:],
             loss_fn=spec.loss_fn, input_names=list(spec.input_names), target_names=list(spec.target_names),
             dynamic_axes=spec.dynamic_axes, name=f"{settings.model}-{settings.config}", cache_dir=cache_dir))
         torch_optimizer = optimizer.torch_optimizer(module.parameters())

@@ -71,12 +71,12 @@ class OffloadedModule(torch.nn.Module):
         self._sync_in()
         if not self.training:
             return self._forward_only(batch)
-        loss = self.trainer.step(*batch)
+        self.trainer.step(*batch)
         outputs = self.trainer.last_outputs
         with torch.no_grad():
             for name, buffer in self._updated_buffers:  # BatchNorm running stats the program updated
                 buffer.copy_(torch.from_numpy(self.trainer.runtime.read(name)))
-        value = torch.from_numpy(np.asarray(outputs[self.trainer.graph.loss_name], dtype=np.float32).reshape(()).copy())
+        value = torch.from_numpy(np.array(outputs[self.trainer.graph.loss_name]).reshape(()))
         if not torch.is_grad_enabled():
             return value
         grads = [torch.from_numpy(outputs[name + GRAD_SUFFIX]).view_as(p) if p.requires_grad else None
