@@ -146,7 +146,11 @@ TORCH_ROWS = (
 )
 SAVE_ON_CPU = "torch_save_on_cpu"
 REFERENCE = "ort_unplanned"
-METHODS = (REFERENCE, *(m for m, _ in TORCH_ROWS), SAVE_ON_CPU, *(m for m, _, _ in OURS_ROWS))
+# (method id, budget label) of the offloaded module's rows: the user's own loop, torch's AdamW
+OWN_LOOP_ROWS = (("ours_offload_1.0x", "1.0x"), ("ours_offload_0.5x", "0.5x"))
+OWN_LOOP_NO_BATCH_SEARCH = "not measured: the batch search runs for the in-graph rows only"
+METHODS = (REFERENCE, *(m for m, _ in TORCH_ROWS), SAVE_ON_CPU, *(m for m, _, _ in OURS_ROWS),
+           *(m for m, _ in OWN_LOOP_ROWS))
 LABELS = {
     REFERENCE: "unplanned ORT (reference)",
     "torch_eager": "PyTorch eager",
@@ -154,6 +158,7 @@ LABELS = {
     "torch_selective_checkpoint": "PyTorch selective checkpoint (save matmuls)",
     SAVE_ON_CPU: "PyTorch save_on_cpu",
     **{m: f"ours passes={p} @ {b}" for m, p, b in OURS_ROWS},
+    **{m: f"ours offloaded module + torch AdamW @ {b}" for m, b in OWN_LOOP_ROWS},
 }
 
 
@@ -834,6 +839,7 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             state_mismatches=state_bad[:10],
         )
         rows.append(row)
+    rows.extend(measure_own_loop(settings, spec, interleave, ref_losses, optimizer, cache_dir=cache_dir, log=log))
     del reference, interleave
     gc.collect()
 
@@ -899,6 +905,74 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
     }
 
 
+def measure_own_loop(settings: Settings, spec, interleave: Interleaver, ref_losses: Sequence[float], optimizer,
+                     *, cache_dir, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The offloaded module's rows: ``ort_offload.offload`` of a copy of the model, stepped by a
+    plain torch loop with ``torch.optim.AdamW`` (the reference's hyper-parameters), interleaved
+    with the reference like every row. Its budget resolves against its own program (forward and
+    backward: the optimizer state lives in torch, outside the budget)."""
+    import copy
+
+    import ort_offload
+
+    rows = []
+    n_inputs = len(spec.input_names)
+    for method, budget_label in OWN_LOOP_ROWS:
+        log(f"{method}: planning")
+        model = copy.deepcopy(spec.model)
+        example = interleave.batches[0]
+        device = ort_offload.set_offload_device("cpu", budget=budget_label)
+        module, setup_s = bench.timed(lambda _model=model, _device=device: ort_offload.offload(
+            _model, _device, example_inputs=example[:n_inputs], example_targets=example[n_inputs:],
+            loss_fn=spec.loss_fn, input_names=list(spec.input_names), target_names=list(spec.target_names),
+            dynamic_axes=spec.dynamic_axes, name=f"{settings.model}-{settings.config}", cache_dir=cache_dir))
+        torch_optimizer = optimizer.torch_optimizer(module.parameters())
+
+        def own_step(batch, _module=module, _optimizer=torch_optimizer):
+            loss = _module(*batch)
+            loss.backward()
+            _optimizer.step()
+            _optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+
+        timing = interleave.run(own_step, warmup=settings.warmup_steps)
+        report = module.report()
+        peak, budget_bytes = int(report["peak_device_bytes"]), int(report["budget_bytes"])
+        steps = max(report["steps"], 1)
+        rows.append({
+            "method": method, "label": LABELS[method], "kind": "own_loop", "budget": budget_label,
+            "status": "ok", "reason": None,
+            "metrics": {
+                "peak_device_bytes": peak,
+                "rss_growth_bytes": OURS_NO_RSS,
+                "budget_bytes": budget_bytes,
+                "step_time_s_median": timing["median"],
+                "ratio_to_unplanned": timing["ratio"],
+                "largest_batch": OWN_LOOP_NO_BATCH_SEARCH,
+                "swap_bytes_per_step": (report["swap_out_bytes"] + report["swap_in_bytes"]) / steps,
+                "recomputed": report["recomputed_nodes"],
+                "faults": report["faults"],
+                "loss_max_rel_diff": _rel_diff(timing["losses"], ref_losses),
+            },
+            "peak_method": "runtime: arena high-water + largest block workspace of the forward/backward program "
+                           "(module.report()); torch's AdamW state is outside it",
+            "within_budget": peak <= budget_bytes,
+            "baseline_peak_bytes": report["baseline_peak_bytes"],
+            "passes": report["passes"],
+            "setup_s": setup_s,
+            "first_step_s": timing["first_step_s"],
+            "step_times_s": timing["step_times_s"],
+            "ref_step_times_s": timing["ref_step_times_s"],
+            "ref_median_step_s": timing["ref_median"],
+            "other_cpu_share": timing["other_cpu_share"],
+            "losses": timing["losses"],
+            "losses_within_tolerance": _rel_diff(timing["losses"], ref_losses) <= settings.torch_loss_rtol,
+        })
+        del module, torch_optimizer, model
+        gc.collect()
+    return rows
+
+
 # ---- output -------------------------------------------------------------------------------------
 
 
@@ -930,7 +1004,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     if row["kind"] == "ours":
         losses = "bitwise = ref" if row["losses_bitwise_equal"] and row["state_bitwise_equal"] else "DIFFERS"
         losses += f"; vs eager {row['loss_max_rel_diff_vs_torch_eager']:.1e}"
-    elif row["kind"] == "torch":
+    elif row["kind"] in ("torch", "own_loop"):
         ok = "ok" if row["losses_within_tolerance"] else "OUT OF TOL."
         losses = f"rel {m['loss_max_rel_diff']:.1e} ({ok})"
     else:
@@ -939,7 +1013,8 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     return [
         row["label"],
         cell("peak_device_bytes", _mib),
-        {"ours": "runtime arena", "reference": "runtime arena", "torch": "torch.profiler"}[row["kind"]],
+        {"ours": "runtime arena", "reference": "runtime arena", "torch": "torch.profiler",
+         "own_loop": "runtime arena (fwd+bwd)"}[row["kind"]],
         cell("rss_growth_bytes", _mib),
         _mib(budget) if _is_number(budget) else "none",
         cell("step_time_s_median", lambda v: f"{v * 1e3:.1f}{'*' if _contended(row) else ''}"),

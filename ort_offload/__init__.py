@@ -57,6 +57,8 @@ _LAZY = {
     "export_training_step": "ort_offload.export.training_step",
     "OrtTrainer": "ort_offload.trainer",
     "create_ort_trainer": "ort_offload.create_trainer",
+    "offload": "ort_offload.offload_module",
+    "OffloadedModule": "ort_offload.offload_module",
     "load_training_artifact": "ort_offload.export.ort_artifacts",
     "BlockwiseTrainer": "ort_offload.dynamic.trainer",
     "wrap_blocks": "ort_offload.dynamic.blockwise",

@@ -21,7 +21,8 @@ import torch
 
 from graph_passes.ir.shapes import check_inputs
 from graph_passes.ir.training_graph import Role, TrainingGraph
-from ort_offload.export import optimizers
+from ort_offload import torch_checkpoint
+from ort_offload.export import loop_graphs, optimizers, torch_optim
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
 from ort_offload.checkpoint import Checkpoint, check_state, read_checkpoint, write_checkpoint
 from ort_offload.runtime.offload_device import OffloadDevice
@@ -83,6 +84,9 @@ class OrtTrainer:
         dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
         cache_dir: str | os.PathLike | None = None,
         stop_on_nonfinite: bool = False,
+        loop: loop_graphs.LoopGraphs | None = None,
+        scheduler: torch_optim.Scheduler | None = None,
+        param_order: Sequence[str] | None = None,
     ) -> None:
         """Place ``initial_state`` on the device and check the budget for ``example_batch``.
 
@@ -91,6 +95,9 @@ class OrtTrainer:
         ``stop_on_nonfinite``: a step whose loss or updated state is NaN or infinite raises
         :class:`NonFiniteError` and leaves the state as it was (each step then keeps a host copy
         of the state it updates); otherwise such steps are counted in ``report()``.
+        ``loop``: how ``graph`` (``loop.update``) accumulates and clips; ``scheduler`` sets the
+        learning rate of each update; ``param_order``: parameter names in the optimizer's order
+        (the torch-format checkpoint's indices).
         """
         self.device = device
         self.graph = graph
@@ -113,6 +120,11 @@ class OrtTrainer:
         self.runner = self._make_runner(graph)
         self._eval_runner: GraphRunner | None = None
         self._step_count = 0
+        self.loop = loop
+        self.scheduler = scheduler
+        self.param_order = list(param_order) if param_order is not None else None
+        self.grad_norms: list[float] = []  # the global gradient norm of each update (before clipping)
+        self._micro = 0  # micro-batches done of the update in progress
         check_batch(example_batch, {})
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
@@ -161,15 +173,36 @@ class OrtTrainer:
         # Real values for any shape probe: data-dependent shapes must see the actual batch.
         return runner.prepare(infos, probe_feeds=lambda: {**{n: runtime.view(n) for n in runner.graph.state_inputs}, **feeds})
 
+    @property
+    def accumulation_steps(self) -> int:
+        return 1 if self.loop is None else self.loop.accumulation_steps
+
     def step(self, *batch) -> float:
-        """One training step on ``batch`` (model inputs, then targets); returns the loss."""
+        """One training step on ``batch`` (model inputs, then targets); returns the loss.
+
+        With ``accumulation_steps=k`` each call is one micro-batch and every k-th call updates."""
         feeds = self._feeds(batch, self.batch_names)
+        last = self._micro + 1 >= self.accumulation_steps
+        if last and self.scheduler is not None:
+            self.lr = self.scheduler.lr
+        if self.accumulation_steps > 1:
+            self.runtime.write(loop_graphs.APPLY_INPUT, np.array(float(last), dtype=np.float32))
         prepared = self._prepare(self.runner, feeds)
         before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
         outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
         loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
         self._check_finite(loss, before)
+        if not last:
+            self._micro += 1
+            self.losses.append(loss)
+            return loss
+        self._micro = 0
+        if loop_graphs.GRAD_NORM_OUTPUT in outputs:
+            self.grad_norms.append(float(outputs[loop_graphs.GRAD_NORM_OUTPUT]))
+        if self.scheduler is not None:
+            update_losses = self.losses[max(0, len(self.losses) - self.accumulation_steps + 1):] + [loss]
+            self.scheduler.step(statistics.fmean(update_losses))
         self._step_count += 1
         if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
@@ -199,7 +232,7 @@ class OrtTrainer:
             logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
                            "report()['nonfinite_steps']", step, self.name, where)
 
-    def eval(self, *inputs) -> np.ndarray | tuple[np.ndarray, ...]:
+    def eval(self, *inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The model's outputs (eval mode: BatchNorm running stats, no dropout) with the current weights."""
         if self.model is None:
             raise OffloadError("eval() needs the torch model; this trainer was built from an ONNX graph")
@@ -213,7 +246,7 @@ class OrtTrainer:
         runner = self._eval_runner
         prepared = self._prepare(runner, feeds)
         outputs = runner.run(feeds, prepared)
-        values = [outputs[n] for n in runner.graph.output_names]
+        values = [torch.from_numpy(outputs[n]) for n in runner.graph.output_names]
         return values[0] if len(values) == 1 else tuple(values)
 
     # ---- state --------------------------------------------------------------------------------
@@ -227,6 +260,7 @@ class OrtTrainer:
         arrays = self._checked_state(state)
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
+        self._micro = 0
         if optimizers.STEP_INPUT in arrays:  # it holds the number of the next step
             self._step_count = _step_number(arrays[optimizers.STEP_INPUT]) - 1
 
@@ -242,11 +276,27 @@ class OrtTrainer:
             raise CheckpointError(f"{optimizers.LR_INPUT} must be at least 0, got {lr.tolist()}")
         return arrays
 
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state in torch's layout: ``{"model": module state_dict, "optimizer": torch.optim
+        state_dict, "step": updates done}``, loadable by plain torch (and :meth:`load_torch_state_dict`)."""
+        return torch_checkpoint.torch_state_dict(self)
+
+    def load_torch_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`torch_state_dict`'s layout (from this trainer or plain torch);
+        everything is checked before anything changes."""
+        torch_checkpoint.load_torch_state_dict(self, state)
+
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint atomically (a temporary file renamed into place).
+        """Write a checkpoint atomically (a temporary file renamed into place): torch's layout
+        (:meth:`torch_state_dict`, ``torch.save``) for a ``.pt``/``.pth`` path, else ``.npz``.
 
         Raises :class:`CheckpointError`, with nothing written, when the state is not finite or
         the file cannot be written; a temporary file a killed save left is swept first."""
+        if self._micro:
+            raise CheckpointError(f"{self._micro} of {self.accumulation_steps} micro-batches of an update are done: "
+                                  "save after the update")
+        if torch_checkpoint.is_torch_path(path):
+            return torch_checkpoint.save(path, self.torch_state_dict())
         return write_checkpoint(path, Checkpoint(model=self.name, steps=self._step_count, losses=list(self.losses),
                                                  state=self.state_dict()))
 
@@ -254,6 +304,9 @@ class OrtTrainer:
         """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad.
 
         The file, its metadata and every tensor are checked before anything is written."""
+        if torch_checkpoint.is_torch_checkpoint(path):
+            self.load_torch_state_dict(torch_checkpoint.load(path))
+            return
         checkpoint = read_checkpoint(path)
         arrays = self._checked_state(checkpoint.state)
         step = arrays.get(optimizers.STEP_INPUT)
@@ -263,6 +316,7 @@ class OrtTrainer:
         self.load_state_dict(arrays)
         self._step_count = checkpoint.steps
         self.losses = list(checkpoint.losses)
+        self._micro = 0
 
     def copy_to(self, module: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copy trained parameters and buffers into ``module`` (default: the trainer's model)."""
@@ -317,6 +371,8 @@ class OrtTrainer:
             "device_overhead_bytes": overhead,
         }
         assert tuple(report) == REPORT_KEYS
+        if self.loop is not None:  # extension: the global gradient norm of each update
+            report["grad_norms"] = list(self.grad_norms)
         return report
 
 

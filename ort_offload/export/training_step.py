@@ -235,12 +235,14 @@ def cache_key(
     model: torch.nn.Module,
     optimizer: optimizers.OptimizerConfig | None,
     kind: str,
+    names: Sequence[str] = (),
 ) -> str:
     """Key of an export: the captured program's fingerprint, which parameters train, the
-    optimizer (its learning rate is a graph input) and the versions of everything that turns the
-    program into ONNX."""
+    optimizer (its learning rate is a graph input), the graph's batch input ``names`` (the
+    program does not hold them) and the versions of everything that turns the program into ONNX."""
     payload = {
         "kind": kind,
+        "names": list(names),
         "versions": _versions(),
         "program": program_fingerprint(program),
         "trainable": [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad],
@@ -348,7 +350,7 @@ def _export(
     try:
         start = time.perf_counter()
         program = _capture(model, kind, loss_fn, example_inputs, batch, axes)
-        key = cache_key(program, model, optimizer, kind)
+        key = cache_key(program, model, optimizer, kind, batch_names)
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         path = directory / f"{name}-{kind}-{key}.onnx"
         cached = read_entry(path) if use_cache else None  # verified against its content hash
@@ -835,6 +837,8 @@ def initial_state(
             state[input_name] = np.array(lr, dtype=np.float32)
         elif input_name == optimizers.STEP_INPUT:
             state[input_name] = np.array(step, dtype=np.float32)
+        elif input_name == optimizers.APPLY_INPUT:
+            state[input_name] = np.array(0.0, dtype=np.float32)
         elif input_name in tensors:
             state[input_name] = np.array(tensors[input_name], copy=True, order="C")
         else:

@@ -20,7 +20,7 @@ FILES = ["peers.json", "peers.md", "peers_largest_batch.png", "peers_step_time_v
 METHODS = [
     "ort_unplanned", "torch_eager", "torch_checkpoint", "torch_selective_checkpoint", "torch_save_on_cpu",
     "ours_swap_1.0x", "ours_swap_0.5x", "ours_swap_0.25x", "ours_swap_min", "ours_auto_0.5x",
-    "ours_recompute_0.5x", "ours_split_0.5x",
+    "ours_recompute_0.5x", "ours_split_0.5x", "ours_offload_1.0x", "ours_offload_0.5x",
 ]
 METRICS = ["peak_device_bytes", "rss_growth_bytes", "budget_bytes", "step_time_s_median", "ratio_to_unplanned",
            "largest_batch", "swap_bytes_per_step", "recomputed", "faults", "loss_max_rel_diff"]
@@ -177,6 +177,21 @@ def test_torch_peers(quick_run):
         assert row["losses_bitwise_equal_torch_eager"] is True  # recomputation does not change numbers
         for attempt in row["largest_batch_tried"]:
             assert attempt["fits"] == (attempt["peak_device_bytes"] <= reference_peak)
+
+
+def test_offloaded_module_rows(quick_run):
+    """The user's own loop (offloaded module + torch AdamW) at 1.0x and 0.5x of its program's peak."""
+    _, _, result, rows = quick_run
+    for method, fraction in (("ours_offload_1.0x", 1.0), ("ours_offload_0.5x", 0.5)):
+        row = rows[method]
+        m = row["metrics"]
+        assert row["status"] == "ok" and row["kind"] == "own_loop"
+        assert m["budget_bytes"] == pytest.approx(fraction * row["baseline_peak_bytes"], abs=1)
+        assert 0 < m["peak_device_bytes"] <= m["budget_bytes"] and row["within_budget"] is True
+        # torch's AdamW against the graph's: the same tolerance as the torch rows
+        assert m["loss_max_rel_diff"] <= result["settings"]["torch_loss_rtol"] and row["losses_within_tolerance"]
+    assert rows["ours_offload_0.5x"]["metrics"]["swap_bytes_per_step"] > 0
+    assert rows["ours_offload_1.0x"]["losses"] == rows["ours_offload_0.5x"]["losses"]  # placement never changes numbers
 
 
 def test_step_times_and_ratios(quick_run):
