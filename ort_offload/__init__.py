@@ -60,7 +60,7 @@ _LAZY = {
     "BlockwiseTrainer": "ort_offload.dynamic.trainer",
     "wrap_blocks": "ort_offload.dynamic.blockwise",
     "unwrap_blocks": "ort_offload.dynamic.blockwise",
-    "export_block_step": "ort_offload.dynamic.blockwise",
+    "export_block_step": "ort_offload.dynamic.block_export",
 }
 __all__ += sorted(_LAZY)
 
