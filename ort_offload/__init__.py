@@ -28,6 +28,7 @@ from ort_offload.errors import (
 )
 
 __all__ = [
+    "__version__",
     "Budget",
     "BudgetParseError",
     "BudgetTooSmallError",
@@ -63,12 +64,17 @@ _LAZY = {
     "BlockwiseTrainer": "ort_offload.dynamic.trainer",
     "wrap_blocks": "ort_offload.dynamic.blockwise",
     "unwrap_blocks": "ort_offload.dynamic.blockwise",
-    "export_block_step": "ort_offload.dynamic.blockwise",
+    "export_block_step": "ort_offload.dynamic.block_export",
 }
 __all__ += sorted(_LAZY)
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # read from the package metadata on first use
+        from ort_offload.version import package_version
+
+        globals()["__version__"] = package_version()
+        return globals()["__version__"]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ort_offload' has no attribute {name!r}")

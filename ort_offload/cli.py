@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Sequence
 
 EXIT_USAGE = 2
+# The loggers -v and -vv turn up: our packages, and ONNX Runtime's own log (graph_passes.ort_logging).
+OUR_LOGGERS = ("ort_offload", "graph_passes", "pilot", "models", "custom_ops", "onnxruntime")
 EXIT_REGRESSION = 1
-DEFAULT_ZOO_BASELINE = "zoo-baseline.json"
 # Upper bounds of counts: the CLI makes every step's batch up front, and a bigger batch,
 # sequence or pilot width is a typo rather than a run this machine could finish.
 MAX_STEPS = 1_000_000
@@ -68,8 +69,13 @@ def _add_common_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ort_offload.version import package_version
+
     parser = _Parser(prog="ort-offload", description="Train models larger than device memory on ONNX Runtime.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log more: -v our info, -vv our debug, -vvv every library's debug too "
+                             "(torch's follow TORCH_LOGS)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
@@ -154,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--json", dest="json_path", default=None, help="write the results as JSON")
     zoo.add_argument("--markdown", dest="markdown_path", default=None, help="write the table as markdown")
     zoo.add_argument("--baseline", default=None,
-                     help=f"baseline results (default {DEFAULT_ZOO_BASELINE}, zoo-baseline-quick.json with --quick): "
-                          "deltas are shown against it and a passing run replaces it")
+                     help="baseline results: deltas are shown against it and a complete passing run replaces it "
+                          "(default: none, nothing compared or written)")
     zoo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -163,10 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    _configure_logging(args.verbose)
     _route_onnxruntime_log()
     from models import UnknownModelError as ZooUnknownModel
     from ort_offload.errors import OffloadError
@@ -197,6 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ort-offload: interrupted", file=sys.stderr)
         return 130
+
+
+def _configure_logging(verbose: int) -> None:
+    """Warnings of every logger; ``-v`` adds our info, ``-vv`` our debug, ``-vvv`` every
+    library's debug (onnxscript and onnx_ir log thousands of lines; torch sets its own levels)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    if verbose <= 0:
+        return
+    level = logging.INFO if verbose == 1 else logging.DEBUG
+    for name in OUR_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    if verbose >= 3:
+        logging.getLogger().setLevel(logging.DEBUG)
 
 
 def _route_onnxruntime_log() -> None:
@@ -251,7 +267,7 @@ def _validate_paths(args) -> None:
         "--misprediction-log": getattr(args, "misprediction_log", None),
     }
     if args.command == "zoo":
-        outputs["--baseline"] = _zoo_baseline_path(args)
+        outputs["--baseline"] = args.baseline
     check_output_paths(outputs, inputs=inputs)
 
 
@@ -474,12 +490,14 @@ def _verify(spec, args, trainer, batches) -> dict:
 def _run_steps(trainer, batches, *, quiet: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ort_offload.export.progress import spinners_off
+
     if quiet or len(batches) < 2:
         for batch in batches:
             trainer.step(*batch)
         return
     columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as progress:
+    with spinners_off(), Progress(*columns, transient=True) as progress:
         task = progress.add_task("train", total=len(batches), loss="-")
         for batch in batches:
             loss = trainer.step(*batch)
@@ -645,8 +663,8 @@ def _zoo(args) -> int:
         raise OffloadError("--passes none cannot meet a budget below the unplanned peak: use auto, swap or recompute")
     only = [m.strip() for m in args.models.split(",")] if args.models else None
     cases = zoo.zoo_cases(quick=args.quick, only=only)
-    baseline_path = _zoo_baseline_path(args)
-    baseline = zoo.load_baseline(baseline_path)
+    baseline_path = Path(args.baseline) if args.baseline else None
+    baseline = zoo.load_baseline(baseline_path) if baseline_path else {}
     results = zoo.run_zoo(cases, budgets=budgets, steps=args.steps, passes=passes, progress=not args.quiet)
     table = zoo.render_markdown(results, budgets, baseline)
     print(table)
@@ -658,16 +676,12 @@ def _zoo(args) -> int:
     if found:
         print(f"\n{len(found)} regression(s):", *(f"  {line}" for line in found), sep="\n", file=sys.stderr)
         return EXIT_REGRESSION
-    if only is None and args.budgets is None:  # only a complete run of its kind becomes the baseline
+    if baseline_path and only is None and args.budgets is None:  # only a complete run becomes the baseline
         zoo.write_results(baseline_path, results, budgets=budgets, steps=args.steps, passes=passes)
         print(f"\nall {len(results)} models pass; baseline updated: {baseline_path}")
     else:
         print(f"\nall {len(results)} models pass")
     return 0
-
-
-def _zoo_baseline_path(args) -> Path:
-    return Path(args.baseline or ("zoo-baseline-quick.json" if args.quick else DEFAULT_ZOO_BASELINE))
 
 
 def _zoo_budgets(args) -> tuple[str, ...]:

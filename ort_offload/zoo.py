@@ -315,10 +315,14 @@ def _run_budget(prepared: PreparedCase, result: ModelResult, label: str, referen
 
 
 def _case_worker(name: str, budgets: Sequence[str], steps: int, passes: Sequence[str], events) -> None:
-    """Child-process body: run case ``name``, report each budget and then the result on ``events``."""
+    """Child-process body: run case ``name``, report each budget and then the result on ``events``
+    (no export spinner: the parent draws the progress bar)."""
+    from ort_offload.export.progress import spinners_off
+
     (case,) = zoo_cases(only=[name])
-    result = run_case(case, budgets=budgets, steps=steps, passes=passes,
-                      on_budget=lambda label: events.put(("budget", label)))
+    with spinners_off():
+        result = run_case(case, budgets=budgets, steps=steps, passes=passes,
+                          on_budget=lambda label: events.put(("budget", label)))
     events.put(("result", dataclasses.asdict(result)))
 
 

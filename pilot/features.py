@@ -115,7 +115,7 @@ _ELEMENT_BYTES = {
 class BlockGraph:
     """A block's forward graph as the caller exported it, with what the profile needs.
 
-    ``forward``: ONNX model of the block's forward part (``ort_offload.dynamic.blockwise.split_step``);
+    ``forward``: ONNX model of the block's forward part (``ort_offload.dynamic.block_export.split_step``);
     ``saved``: names of its outputs that are saved activations (kept for the backward);
     ``param_bytes``: bytes of the block's parameters and buffers."""
 

@@ -1,7 +1,7 @@
 """Glue between the runtime side and :mod:`pilot`: block graphs, architectures, a ready pilot.
 
-Owns :func:`block_graphs` (each block's forward graph via :func:`ort_offload.dynamic.blockwise.
-export_block_step` / :func:`~ort_offload.dynamic.blockwise.split_step`), :func:`pilot_architecture`
+Owns :func:`block_graphs` (each block's forward graph via :func:`ort_offload.dynamic.block_export.
+export_block_step` / :func:`~ort_offload.dynamic.block_export.split_step`), :func:`pilot_architecture`
 (profiles + traces + candidate paths of a dynamic model spec) and :func:`make_pilot` (a
 :class:`pilot.Pilot` with the spec's model attached). ``pilot`` never imports ``ort_offload``;
 this module is where the two meet.
@@ -67,7 +67,7 @@ def _block_args(spec) -> dict[int, tuple[torch.Tensor, ...]]:
 
 def block_graphs(spec, *, cache_dir: str | os.PathLike | None = None) -> list[BlockGraph]:
     """One :class:`~pilot.features.BlockGraph` per ``spec.model.blocks()`` entry."""
-    from ort_offload.dynamic.blockwise import export_block_step, split_step
+    from ort_offload.dynamic.block_export import export_block_step, split_step
 
     args = _block_args(spec)
     graphs = []

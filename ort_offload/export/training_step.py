@@ -38,6 +38,7 @@ from graph_passes.ir.training_graph import TIED_PARAMS_KEY, UNUSED_PARAMS_KEY, R
 from ort_offload.export import optimizers
 from ort_offload.errors import ExportError, InputMismatchError
 from ort_offload.export.cache import read_entry, write_entry
+from ort_offload.export.progress import export_status
 
 logger = logging.getLogger(__name__)
 # torch's ONNX exporter warns once per process that torchvision (which we do not use) is missing.
@@ -348,31 +349,42 @@ def _export(
     was_training = model.training
     model.train(kind == "train")
     try:
-        start = time.perf_counter()
-        program = _capture(model, kind, loss_fn, example_inputs, batch, axes)
-        key = cache_key(program, model, optimizer, kind, batch_names)
-        directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        path = directory / f"{name}-{kind}-{key}.onnx"
-        cached = read_entry(path) if use_cache else None  # verified against its content hash
-        if cached is not None:
-            try:
-                graph = TrainingGraph.from_model(cached, name=name)
-                elapsed = time.perf_counter() - start
-                logger.info("export cache hit for %s (%s) in %.3f s", name, kind, elapsed)
-                return ExportResult(graph, key, True, elapsed, path)
-            except Exception as e:  # a corrupt cache entry is re-exported, not fatal
-                logger.warning("ignoring unreadable export cache entry %s: %s", path, e)
-        if kind == "train":
-            wrapper = _LossModule(model, loss_fn, len(example_inputs))
-            graph = _export_train(program, wrapper, batch, batch_names, axes, optimizer, name)
-        else:
-            graph = _export_eval(program, _TensorOutputs(model), example_inputs, input_names, axes, name)
-        elapsed = time.perf_counter() - start
-        logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
-        saved = write_entry(path, graph.save) if use_cache else None
-        return ExportResult(graph, key, False, elapsed, saved)
+        with export_status(f"exporting {name} ({kind})") as phase:
+            return _export_or_load(model, kind, loss_fn, example_inputs, batch, batch_names, input_names, axes,
+                                   optimizer, name, cache_dir, use_cache, phase)
     finally:
         model.train(was_training)
+
+
+def _export_or_load(model, kind, loss_fn, example_inputs, batch, batch_names, input_names, axes, optimizer, name,
+                    cache_dir, use_cache, phase) -> ExportResult:
+    """The cached export of the captured program where there is one, else a fresh export (cached)."""
+    start = time.perf_counter()
+    phase("capturing the model with torch.export")
+    program = _capture(model, kind, loss_fn, example_inputs, batch, axes)
+    key = cache_key(program, model, optimizer, kind, batch_names)
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = directory / f"{name}-{kind}-{key}.onnx"
+    cached = read_entry(path) if use_cache else None  # verified against its content hash
+    if cached is not None:
+        try:
+            graph = TrainingGraph.from_model(cached, name=name)
+            elapsed = time.perf_counter() - start
+            logger.info("export cache hit for %s (%s) in %.3f s", name, kind, elapsed)
+            return ExportResult(graph, key, True, elapsed, path)
+        except Exception as e:  # a corrupt cache entry is re-exported, not fatal
+            logger.warning("ignoring unreadable export cache entry %s: %s", path, e)
+    if kind == "train":
+        wrapper = _LossModule(model, loss_fn, len(example_inputs))
+        graph = _export_train(program, wrapper, batch, batch_names, axes, optimizer, name, phase)
+    else:
+        graph = _export_eval(program, _TensorOutputs(model), example_inputs, input_names, axes, name, phase)
+    elapsed = time.perf_counter() - start
+    logger.info("exported %s (%s): %d nodes in %.1f s", name, kind, len(graph.graph.node), elapsed)
+    if use_cache:
+        phase("writing the export cache")
+    saved = write_entry(path, graph.save) if use_cache else None
+    return ExportResult(graph, key, False, elapsed, saved)
 
 
 def _torch_export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
@@ -547,9 +559,9 @@ def _settle_inputs(graph: ir.Graph, arguments: GraphArguments, out_names, use: P
     return {n: r for n, r in zip(arguments.names, arguments.roles) if n not in dropped and r is not None}
 
 
-def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
+def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name, phase=lambda _: None):
     """The joint forward/backward of the captured loss ``ep`` of ``wrapper``, in ONNX, with the
-    optimizer appended."""
+    optimizer appended; ``phase`` hears of each phase as it starts."""
     from torch.export.experimental import _export_forward_backward
 
     use = _parameter_use(ep, wrapper)
@@ -557,6 +569,7 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
     if use.unused:
         logger.warning("%s: parameters the loss does not depend on are kept and never updated: %s",
                        name, ", ".join(use.unused))
+    phase("building the joint forward/backward graph")
     try:
         with _export_context():
             joint = _export_forward_backward(ep)
@@ -585,6 +598,7 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
         else:
             raise ExportError(f"unsupported output kind {spec.kind} in the joint graph of {name}")
 
+    phase("translating the joint graph to ONNX")
     ir_model = _onnx_export(joint.graph_module, tuple(arguments.values), tuple(arguments.dynamic), origin=ep.graph_module)
     graph = ir_model.graph
     roles = _settle_inputs(graph, arguments, out_names, use, what=f"the training step of {name}")
@@ -592,16 +606,18 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name):
     pairs = {_base(n): n for n, r in zip(out_names, out_roles) if r == Role.BUFFER}
     _match_state_shapes(graph, pairs)
     if optimizer is not None:
+        phase(f"appending the {type(optimizer).__name__} update")
         _append_optimizer(graph, optimizer, grad_of, roles, pairs)
     return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)), use)
 
 
-def _export_eval(ep, model, example_inputs, input_names, axes, name):
+def _export_eval(ep, model, example_inputs, input_names, axes, name, phase=lambda _: None):
     use = _parameter_use(ep, model)
     arguments = _graph_arguments(
         ep, ep.graph_signature.input_specs, model, example_inputs, input_names, axes, use.names,
         what=f"the forward graph of {name}",
     )
+    phase("translating the forward graph to ONNX")
     ir_model = _onnx_export(ep.graph_module, tuple(arguments.values), tuple(arguments.dynamic))
     graph = ir_model.graph
     out_names = ["output"] if len(graph.outputs) == 1 else [f"output{i}" for i in range(len(graph.outputs))]

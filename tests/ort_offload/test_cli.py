@@ -4,10 +4,12 @@ one line, no partial files)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import onnx
 import onnx.helper as oh
@@ -15,6 +17,8 @@ import pytest
 
 from ort_offload.cli import main
 from ort_offload.report import REPORT_KEYS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args):
@@ -242,3 +246,84 @@ def test_train_with_variable_sequence_lengths_plans_each_new_length(tmp_path, ca
     _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16", message="MIN:MAX")
     _expect_error(capsys, "train", "--model", "bert", "--seq", "16", "--seq-range", "16:32", message="exclude")
     _expect_error(capsys, "train", "--model", "bert", "--seq-range", "16:300", message="max_seq")
+
+
+# ---- conventions: --version, -v, files only where told ----------------------------------------
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    import tomllib
+
+    import ort_offload
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("--version")
+    assert exit_info.value.code == 0
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert ort_offload.__version__ == project["version"]
+    assert capsys.readouterr().out == f"ort-offload {project['version']}\n"
+
+
+@pytest.fixture
+def restore_log_levels():
+    from ort_offload.cli import OUR_LOGGERS
+
+    names = (*OUR_LOGGERS, "onnxscript", "onnx_ir", "torch", "")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def test_verbose_turns_up_our_loggers_only(restore_log_levels):
+    from ort_offload.cli import _configure_logging
+
+    ours = ("ort_offload.export.training_step", "graph_passes.planning.driver", "pilot.train", "models.registry",
+            "onnxruntime")
+    libraries = ("onnxscript.optimizer._constant_folding", "onnx_ir.passes", "torch.export")
+    for verbose, our_level in ((1, logging.INFO), (2, logging.DEBUG)):
+        _configure_logging(verbose)
+        for name in ours:
+            assert logging.getLogger(name).getEffectiveLevel() == our_level, (verbose, name)
+        for name in libraries:
+            assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING, (verbose, name)
+    _configure_logging(3)  # torch sets its loggers' levels itself (TORCH_LOGS)
+    for name in libraries[:2]:
+        assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG
+
+
+def test_verbose_export_logs_ours_not_the_exporters(tmp_path):
+    """A fresh export at -v: onnxscript and onnx_ir log dozens of INFO lines, none of which show."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ort_offload", "-v", "export", "--model", "mlp", "-o", tmp_path / "mlp.onnx",
+         "--cache-dir", tmp_path / "cache"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    records = [line.split(":")[0].split() for line in result.stderr.splitlines()
+               if line.split(" ", 1)[0] in ("DEBUG", "INFO", "WARNING", "ERROR")]
+    assert ["INFO", "ort_offload.export.training_step"] in records
+    assert all(name.split(".")[0] in ("ort_offload", "graph_passes", "pilot", "models") for _, name in records), records
+
+
+def _passing_zoo_run(cases, **_):
+    from ort_offload import zoo
+
+    return [zoo.ModelResult(c.name, c.family, nodes=1, params=1, unplanned_peak_bytes=8, min_budget_bytes=4,
+                            budgets=[zoo.BudgetResult("0.5x", 4, zoo.PASS, 4, 1.0, 0.0)]) for c in cases]
+
+
+def test_zoo_writes_no_file_it_was_not_told_to(tmp_path, monkeypatch, capsys):
+    """A complete passing run writes its baseline only to --baseline; without it, nothing."""
+    from ort_offload import zoo
+
+    monkeypatch.setattr(zoo, "run_zoo", _passing_zoo_run)
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("zoo", "--quick", "--quiet") == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "baseline updated" not in capsys.readouterr().out
+    baseline = tmp_path / "kept" / "baseline.json"
+    baseline.parent.mkdir()
+    assert run_cli("zoo", "--quick", "--quiet", "--baseline", baseline) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["baseline.json", "kept"]
+    assert f"baseline updated: {baseline}" in capsys.readouterr().out

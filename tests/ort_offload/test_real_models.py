@@ -361,7 +361,7 @@ def test_an_op_without_translation_is_an_export_error_naming_the_op_and_its_modu
 
 
 def test_block_wise_step_keys_see_plain_attributes_and_config_objects():
-    from ort_offload.dynamic.blockwise import block_cache_key
+    from ort_offload.dynamic.block_export import block_cache_key
 
     x = (torch.randn(2, 4),)
     torch.manual_seed(0)

@@ -16,14 +16,8 @@ from torch import nn
 from models import get_dynamic_model
 from models.var_lstm import LSTMStep
 from ort_offload.runtime.block_session import default_session_options
-from ort_offload.dynamic.blockwise import (
-    BlockStepCache,
-    default_blocks,
-    export_block_step,
-    split_step,
-    unwrap_blocks,
-    wrap_blocks,
-)
+from ort_offload.dynamic.block_export import export_block_step, split_step
+from ort_offload.dynamic.blockwise import BlockStepCache, default_blocks, unwrap_blocks, wrap_blocks
 from ort_offload.dynamic.trainer import BlockwiseTrainer
 from ort_offload.errors import ExportError, InputMismatchError
 

@@ -97,7 +97,7 @@ def test_export_command_with_an_emptied_entry_writes_a_valid_graph(tmp_path, pri
 def test_a_damaged_block_step_entry_is_exported_again(tmp_path, caplog):
     import torch
 
-    from ort_offload.dynamic.blockwise import export_block_step
+    from ort_offload.dynamic.block_export import export_block_step
 
     block, args = torch.nn.Linear(4, 3), (torch.randn(2, 4),)
     first = export_block_step(block, args, cache_dir=tmp_path)
