@@ -77,7 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "(torch's follow TORCH_LOGS)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_command(sub)
+    _add_export_command(sub)
+    _add_transform_command(sub)
+    _add_inspect_command(sub)
+    _add_run_command(sub)
+    _add_pilot_command(sub)
+    _add_zoo_command(sub)
+    return parser
 
+
+def _add_train_command(sub) -> None:
+    """The ``train`` command and its options."""
     train = sub.add_parser("train", help="train a zoo model under a budget and print the report")
     train.add_argument("--model", required=True,
                        help="zoo model: mlp, gpt, cnn, bert, lstm; dynamic (trained block-wise): var-bert, fixed-bert, "
@@ -99,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--misprediction-log", default=None, help="dynamic models: append mispredicted batches (JSON lines)")
     _add_common_run_options(train)
 
+
+def _add_export_command(sub) -> None:
+    """The ``export`` command and its options."""
     export = sub.add_parser("export", help="write a zoo model's training step as ONNX")
     export.add_argument("--model", required=True)
     export.add_argument("--config", default="tiny")
@@ -110,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, help="output .onnx path")
     export.add_argument("--cache-dir", default=None)
 
+
+def _add_transform_command(sub) -> None:
+    """The ``transform`` command and its options."""
     transform = sub.add_parser("transform", help="plan a training-step ONNX graph for a budget and write the plan into it")
     transform.add_argument("graph", help="training-step .onnx file, or the training_model.onnx of ORT's generate_artifacts")
     transform.add_argument("-o", "--output", required=True, help="rewritten .onnx path")
@@ -125,17 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     transform.add_argument("--plan-time", type=float, default=None,
                            help="seconds of genetic swap search after the grid (GPU profiles; 0: grid only)")
 
+
+def _add_inspect_command(sub) -> None:
+    """The ``inspect`` command and its options."""
     inspect = sub.add_parser("inspect", help="summarise a training-step ONNX graph")
     inspect.add_argument("graph", help="training-step .onnx file")
     inspect.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE")
     inspect.add_argument("--json", dest="json_path", default=None)
 
+
+def _add_run_command(sub) -> None:
+    """The ``run`` command and its options."""
     run = sub.add_parser("run", help="execute a training-step ONNX graph under a budget")
     run.add_argument("graph", help="training-step .onnx file (or an ORT artifact training_model.onnx: parameters from its checkpoint)")
     run.add_argument("--input", action="append", default=[], metavar="NAME=SHAPE",
                      help="concrete shape of an input with symbolic dims, e.g. ids=8x128 (repeatable)")
     _add_common_run_options(run)
 
+
+def _add_pilot_command(sub) -> None:
+    """The ``pilot`` command and its options."""
     pilot = sub.add_parser("pilot", help="the DyNN-Offload pilot model: offline training")
     pilot_sub = pilot.add_subparsers(dest="pilot_command", required=True)
     pilot_train = pilot_sub.add_parser("train", help="train the pilot on the dynamic zoo and write pilot.onnx + pilot-report.json")
@@ -150,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     pilot_train.add_argument("--seed", type=int, default=0)
     pilot_train.add_argument("--quiet", action="store_true", help="no table")
 
+
+def _add_zoo_command(sub) -> None:
+    """The ``zoo`` command and its options."""
     zoo = sub.add_parser("zoo", help="model-zoo regression: onnx light models and our zoo at several budgets")
     zoo.add_argument("--quick", action="store_true",
                      help="fast subset for CI: two light models and our tiny zoo at 0.5x")
@@ -163,7 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="baseline results: deltas are shown against it and a complete passing run replaces it "
                           "(default: none, nothing compared or written)")
     zoo.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
