@@ -178,7 +178,7 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
     from graph_passes.cost.step_bound import step_time_bound
 
     runner = trainer.runner
-    finest = runner.lower_program(runner.model, unplanned.infos, runner.schedule, max_block_nodes=1)
+    finest = runner.planner.layouts.lower_program(runner.model, unplanned.infos, runner.schedule, max_block_nodes=1)
     out = {}
     for name in PROFILES:
         bound, bound_s = bench.timed(lambda: step_time_bound(finest, unplanned.infos, model=runner.model,
