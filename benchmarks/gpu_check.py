@@ -36,12 +36,13 @@ Results print as a table and go to ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 TRACE_MODELS = (("gpt", "small"), ("cnn", "small"))
 TRACE_BUDGETS = ("0.5x", "0.25x")
@@ -342,96 +343,125 @@ def replay(torch, trace: dict[str, Any], cycles_per_s: float, *, repeats: int = 
     events = [e for e in trace["events"] if e[0] != "drop"]
     deps = _dependencies(events)
     order = _issue_order(events, deps)
-    dev = torch.device("cuda")
-    largest = max([e[4] for e in events if e[0] in ("h2d", "d2h")] + [4])
-    host_src = torch.empty(largest // 4 + 1).pin_memory()
-    host_dst = torch.empty(largest // 4 + 1).pin_memory()
-    dev_src = torch.empty(largest // 4 + 1, device=dev)
-    dev_dst = torch.empty(largest // 4 + 1, device=dev)
-    streams = {"compute": torch.cuda.Stream(), "h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream()}
-
-    def issue(fork, with_copies: bool) -> None:
-        """Enqueue the whole trace on the three streams, after ``fork``; join them back."""
-        done = [torch.cuda.Event() for _ in events]
-        for s in streams.values():
-            s.wait_event(fork)
-        for i in order:
-            stream_name, _label, start, end, nbytes = events[i]
-            stream = streams[stream_name]
-            for j in deps[i]:
-                stream.wait_event(done[j])
-            with torch.cuda.stream(stream):
-                if stream_name == "compute":
-                    torch.cuda._sleep(max(1, int((end - start) * cycles_per_s)))
-                elif nbytes and with_copies:
-                    count = (nbytes + 3) // 4
-                    if stream_name == "h2d":
-                        dev_dst[:count].copy_(host_src[:count], non_blocking=True)
-                    else:
-                        host_dst[:count].copy_(dev_src[:count], non_blocking=True)
-                done[i].record(stream)
-        main = torch.cuda.current_stream()
-        for s in streams.values():
-            main.wait_stream(s)
-
-    # Enqueueing a trace from Python takes longer than the GPU takes to run it, so the trace
-    # is captured once as a CUDA graph (which keeps the cross-stream event edges) and replayed.
-    def timed(with_copies: bool) -> tuple[float, str]:
-        """Median seconds of the replay, and how it was issued."""
-        # Enqueueing a trace from Python takes longer than the GPU takes to run it, so the
-        # trace is captured once as a CUDA graph (which keeps the cross-stream event edges).
-        try:
-            graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.Stream()
-            with torch.cuda.graph(graph, stream=capture):
-                fork = torch.cuda.Event()
-                fork.record(capture)
-                issue(fork, with_copies)
-            mode = "cuda_graph"
-
-            def once() -> float:
-                begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                graph.replay()
-                finish.record()
-                finish.synchronize()
-                return begin.elapsed_time(finish) / 1e3
-        except Exception as e:  # capture refused: hold the streams behind a long spin instead
-            print(f"graph capture failed ({type(e).__name__}: {e}); replaying behind a gate kernel")
-            mode = "gate"
-            torch.cuda.synchronize()
-            gate_stream = torch.cuda.Stream()
-
-            def once() -> float:
-                with torch.cuda.stream(gate_stream):
-                    torch.cuda._sleep(int(0.5 * cycles_per_s))  # 0.5 s: the host enqueues meanwhile
-                    gate = torch.cuda.Event(enable_timing=True)
-                    gate.record(gate_stream)
-                issue(gate, with_copies)
-                finish = torch.cuda.Event(enable_timing=True)
-                finish.record()
-                finish.synchronize()
-                return gate.elapsed_time(finish) / 1e3
-
-        once()
-        return statistics.median(once() for _ in range(repeats)), mode
-
-    measured, mode = timed(True)
-    control, _ = timed(False)
+    player = _TracePlayer(torch, events, deps, order, cycles_per_s)
+    measured = _timed_replay(torch, player, cycles_per_s, repeats, with_copies=True)
+    control = _timed_replay(torch, player, cycles_per_s, repeats, with_copies=False)
     sim_no_copies = critical_path_s(events, deps, order, copies=False)
     copies = [e for e in events if e[0] in ("h2d", "d2h")]
     return {
         "model": trace["model"], "budget": trace["budget"], "profile": trace["profile"],
-        "mode": mode, "events": len(events), "copies": len(copies), "copy_bytes": sum(e[4] for e in copies),
-        "simulated_step_s": trace["simulated_step_s"], "measured_step_s": measured,
-        "measured_over_simulated": measured / trace["simulated_step_s"],
-        "measured_without_copies_s": control, "simulated_without_copies_s": sim_no_copies,
+        "mode": measured.mode, "events": len(events), "copies": len(copies), "copy_bytes": sum(e[4] for e in copies),
+        "simulated_step_s": trace["simulated_step_s"], "measured_step_s": measured.median_s,
+        "measured_over_simulated": measured.median_s / trace["simulated_step_s"],
+        "measured_without_copies_s": control.median_s, "simulated_without_copies_s": sim_no_copies,
         # what the copies add to the step (waits the compute cannot hide), real vs simulated
-        "copy_cost_measured_s": measured - control, "copy_cost_simulated_s": trace["simulated_step_s"] - sim_no_copies,
+        "copy_cost_measured_s": measured.median_s - control.median_s,
+        "copy_cost_simulated_s": trace["simulated_step_s"] - sim_no_copies,
         "unlimited_s": trace["unlimited_s"],
         "simulated_pct_of_unlimited": 100 * trace["unlimited_s"] / trace["simulated_step_s"],
-        "replayed_pct_of_unlimited": 100 * trace["unlimited_s"] / measured,
+        "replayed_pct_of_unlimited": 100 * trace["unlimited_s"] / measured.median_s,
     }
+
+
+class _TracePlayer:
+    """Enqueues a trace's events on three CUDA streams (spin kernels for compute, copies
+    between pinned host and device buffers as large as the largest copy)."""
+
+    def __init__(self, torch, events: list, deps: list, order: list[int], cycles_per_s: float) -> None:
+        self.torch, self.events, self.deps, self.order, self.cycles_per_s = torch, events, deps, order, cycles_per_s
+        dev = torch.device("cuda")
+        largest = max([e[4] for e in events if e[0] in ("h2d", "d2h")] + [4])
+        self.host_src = torch.empty(largest // 4 + 1).pin_memory()
+        self.host_dst = torch.empty(largest // 4 + 1).pin_memory()
+        self.dev_src = torch.empty(largest // 4 + 1, device=dev)
+        self.dev_dst = torch.empty(largest // 4 + 1, device=dev)
+        self.streams = {"compute": torch.cuda.Stream(), "h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream()}
+
+    def issue(self, fork, with_copies: bool) -> None:
+        """Enqueue the whole trace on the three streams, after ``fork``; join them back."""
+        torch = self.torch
+        done = [torch.cuda.Event() for _ in self.events]
+        for s in self.streams.values():
+            s.wait_event(fork)
+        for i in self.order:
+            stream_name, _label, start, end, nbytes = self.events[i]
+            stream = self.streams[stream_name]
+            for j in self.deps[i]:
+                stream.wait_event(done[j])
+            with torch.cuda.stream(stream):
+                if stream_name == "compute":
+                    torch.cuda._sleep(max(1, int((end - start) * self.cycles_per_s)))
+                elif nbytes and with_copies:
+                    count = (nbytes + 3) // 4
+                    if stream_name == "h2d":
+                        self.dev_dst[:count].copy_(self.host_src[:count], non_blocking=True)
+                    else:
+                        self.host_dst[:count].copy_(self.dev_src[:count], non_blocking=True)
+                done[i].record(stream)
+        main = torch.cuda.current_stream()
+        for s in self.streams.values():
+            main.wait_stream(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplayTiming:
+    median_s: float  # of the replays
+    mode: str  # how the trace was issued: "cuda_graph" or "gate"
+
+
+def _timed_replay(torch, player: _TracePlayer, cycles_per_s: float, repeats: int, *,
+                  with_copies: bool) -> _ReplayTiming:
+    """Median seconds of the replay, and how it was issued."""
+    # Enqueueing a trace from Python takes longer than the GPU takes to run it, so the trace
+    # is captured once as a CUDA graph (which keeps the cross-stream event edges) and replayed.
+    try:
+        once = _graph_replay(torch, player, with_copies)
+        mode = "cuda_graph"
+    except Exception as e:  # capture refused: hold the streams behind a long spin instead
+        print(f"graph capture failed ({type(e).__name__}: {e}); replaying behind a gate kernel")
+        mode = "gate"
+        torch.cuda.synchronize()
+        once = _gated_replay(torch, player, cycles_per_s, with_copies)
+    once()
+    return _ReplayTiming(statistics.median(once() for _ in range(repeats)), mode)
+
+
+def _graph_replay(torch, player: _TracePlayer, with_copies: bool) -> Callable[[], float]:
+    """Capture the trace as a CUDA graph; returns a timed replay of it."""
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=capture):
+        fork = torch.cuda.Event()
+        fork.record(capture)
+        player.issue(fork, with_copies)
+
+    def once() -> float:
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        finish.record()
+        finish.synchronize()
+        return begin.elapsed_time(finish) / 1e3
+
+    return once
+
+
+def _gated_replay(torch, player: _TracePlayer, cycles_per_s: float, with_copies: bool) -> Callable[[], float]:
+    """A timed replay that enqueues the trace behind a long spin kernel on a gate stream."""
+    gate_stream = torch.cuda.Stream()
+
+    def once() -> float:
+        with torch.cuda.stream(gate_stream):
+            torch.cuda._sleep(int(0.5 * cycles_per_s))  # 0.5 s: the host enqueues meanwhile
+            gate = torch.cuda.Event(enable_timing=True)
+            gate.record(gate_stream)
+        player.issue(gate, with_copies)
+        finish = torch.cuda.Event(enable_timing=True)
+        finish.record()
+        finish.synchronize()
+        return gate.elapsed_time(finish) / 1e3
+
+    return once
 
 
 def run_device(traces_path: str | None) -> dict[str, Any]:

@@ -130,67 +130,108 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None], whole_segme
     data = [spec.make_batch(seq=n, seed=k) for k, n in enumerate(lengths)]
     with tempfile.TemporaryDirectory(prefix="ort_offload_mimose_bench_") as cache_dir:
         log(f"bert {settings.config}: exporting; {settings.steps} steps, lengths {MIN_LENGTH}..{MAX_LENGTH}")
-        unplanned, create_s = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=None))
-        longest_peak = unplanned.runner.baseline_peak_bytes  # prepared at the first (longest) batch
-        budget = int(settings.budget_fraction * longest_peak)
-        log(f"unplanned peak at length {MAX_LENGTH}: {longest_peak / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB")
-        trainers = {"unplanned": (unplanned, create_s)}
-        planned = [("static", "static", True), ("input_aware", "input_aware", True)]
-        if whole_segments:
-            planned.append((WHOLE_SEGMENTS, "input_aware", False))
-        for row, policy, selective in planned:
-            trainers[row] = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=budget, policy=policy,
-                                                         selective=selective))
-        simulate = _StepSimulator()
-        per_step: dict[str, list[dict]] = {row: [] for row in row_names}
-        losses: dict[str, list[float]] = {row: [] for row in row_names}
-        for k, (inputs, targets) in enumerate(data):
-            for row in row_names:
-                trainer = trainers[row][0]
-                before = trainer.runtime.stats.plan_time_s
-                plans_before = trainer.runner.recompute.stats.plans
-                start = time.perf_counter()
-                losses[row].append(trainer.step(*inputs, *targets))
-                wall = time.perf_counter() - start
-                prepare = trainer.runtime.stats.plan_time_s - before
-                per_step[row].append({"length": lengths[k], "wall_s": wall, "prepare_s": prepare,
-                                      "run_s": wall - prepare,
-                                      # a plan made this step: its graph's block sessions are created in this run
-                                      "new_plan": trainer.runner.recompute.stats.plans > plans_before,
-                                      "recomputed_nodes": trainer.runner.last_prepared.recomputed_nodes,
-                                      "simulated_s": simulate(row, trainer)})
-                time.sleep(settings.settle_s)
-            if k % 10 == 9:
-                log(f"step {k + 1}/{settings.steps}")
-        reference_state = unplanned.state_dict()
-        rows = []
-        for row in row_names:
-            trainer, create_s = trainers[row]
-            steps = per_step[row]
-            report = trainer.report()
-            summary = trainer.runner.recompute.summary()
-            mismatches = bench.state_mismatches(trainer.state_dict(), reference_state)
-            rows.append({
-                "row": row,
-                "budget_bytes": report["budget_bytes"],
-                "peak_device_bytes": report["peak_device_bytes"],
-                "within_budget": report["within_budget"],
-                "create_s": create_s,
-                "run_s_median": bench.median([s["run_s"] for s in steps]),
-                "run_s_total": sum(s["run_s"] for s in steps),
-                "run_s_total_existing_plans": sum(s["run_s"] for s in steps if not s["new_plan"]),
-                "prepare_s_total": sum(s["prepare_s"] for s in steps),
-                "epoch_s": sum(s["wall_s"] for s in steps),
-                "recomputed_nodes_run": sum(s["recomputed_nodes"] for s in steps),
-                "steps_recomputing": sum(1 for s in steps if s["recomputed_nodes"]),
-                "signatures_prepared": report["plans_made"],
-                "recompute": summary,
-                "losses_bitwise_equal": bench.bitwise_equal(losses[row], losses["unplanned"]),
-                "state_bitwise_equal": not mismatches,
-                "per_step": steps,
-            })
-        del trainers, unplanned
+        setup = _create_trainers(spec, data, cache_dir, settings, whole_segments, log)
+        epoch = _run_epoch(setup.trainers, data, lengths, row_names, settings, log)
+        reference_state = setup.trainers["unplanned"][0].state_dict()
+        rows = [_epoch_row(row, *setup.trainers[row], epoch.per_step[row], epoch.losses, reference_state)
+                for row in row_names]
+        longest_peak, budget = setup.longest_peak, setup.budget
+        del setup
         gc.collect()
+    return _epoch_result(spec, lengths, longest_peak, budget, rows, whole_segments, settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trainers:
+    """The epoch's trainers (row -> (trainer, seconds to create it)) and the budget they plan for."""
+
+    trainers: dict[str, tuple[Any, float]]
+    longest_peak: int  # the unplanned trainer's peak at the longest batch
+    budget: int
+
+
+def _create_trainers(spec, data, cache_dir: str, settings: Settings, whole_segments: bool,
+                     log: Callable[[str], None]) -> _Trainers:
+    """The unplanned trainer, then the planned ones at a budget below its peak."""
+    unplanned, create_s = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=None))
+    longest_peak = unplanned.runner.baseline_peak_bytes  # prepared at the first (longest) batch
+    budget = int(settings.budget_fraction * longest_peak)
+    log(f"unplanned peak at length {MAX_LENGTH}: {longest_peak / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB")
+    trainers = {"unplanned": (unplanned, create_s)}
+    planned = [("static", "static", True), ("input_aware", "input_aware", True)]
+    if whole_segments:
+        planned.append((WHOLE_SEGMENTS, "input_aware", False))
+    for row, policy, selective in planned:
+        trainers[row] = bench.timed(lambda: _trainer(spec, data, cache_dir, budget=budget, policy=policy,
+                                                     selective=selective))
+    return _Trainers(trainers, longest_peak, budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epoch:
+    """Per row: each step's record, and the losses."""
+
+    per_step: dict[str, list[dict]]
+    losses: dict[str, list[float]]
+
+
+def _run_epoch(trainers: dict[str, tuple[Any, float]], data, lengths: Sequence[int], row_names: Sequence[str],
+               settings: Settings, log: Callable[[str], None]) -> _Epoch:
+    """Every batch through every trainer in turn, timing each step."""
+    simulate = _StepSimulator()
+    per_step: dict[str, list[dict]] = {row: [] for row in row_names}
+    losses: dict[str, list[float]] = {row: [] for row in row_names}
+    for k, (inputs, targets) in enumerate(data):
+        for row in row_names:
+            trainer = trainers[row][0]
+            before = trainer.runtime.stats.plan_time_s
+            plans_before = trainer.runner.recompute.stats.plans
+            start = time.perf_counter()
+            losses[row].append(trainer.step(*inputs, *targets))
+            wall = time.perf_counter() - start
+            prepare = trainer.runtime.stats.plan_time_s - before
+            per_step[row].append({"length": lengths[k], "wall_s": wall, "prepare_s": prepare,
+                                  "run_s": wall - prepare,
+                                  # a plan made this step: its graph's block sessions are created in this run
+                                  "new_plan": trainer.runner.recompute.stats.plans > plans_before,
+                                  "recomputed_nodes": trainer.runner.last_prepared.recomputed_nodes,
+                                  "simulated_s": simulate(row, trainer)})
+            time.sleep(settings.settle_s)
+        if k % 10 == 9:
+            log(f"step {k + 1}/{settings.steps}")
+    return _Epoch(per_step, losses)
+
+
+def _epoch_row(row: str, trainer, create_s: float, steps: list[dict], losses: dict[str, list[float]],
+               reference_state) -> dict[str, Any]:
+    """One trainer's row: its report, its epoch totals, and whether it matched the unplanned one."""
+    report = trainer.report()
+    summary = trainer.runner.recompute.summary()
+    mismatches = bench.state_mismatches(trainer.state_dict(), reference_state)
+    return {
+        "row": row,
+        "budget_bytes": report["budget_bytes"],
+        "peak_device_bytes": report["peak_device_bytes"],
+        "within_budget": report["within_budget"],
+        "create_s": create_s,
+        "run_s_median": bench.median([s["run_s"] for s in steps]),
+        "run_s_total": sum(s["run_s"] for s in steps),
+        "run_s_total_existing_plans": sum(s["run_s"] for s in steps if not s["new_plan"]),
+        "prepare_s_total": sum(s["prepare_s"] for s in steps),
+        "epoch_s": sum(s["wall_s"] for s in steps),
+        "recomputed_nodes_run": sum(s["recomputed_nodes"] for s in steps),
+        "steps_recomputing": sum(1 for s in steps if s["recomputed_nodes"]),
+        "signatures_prepared": report["plans_made"],
+        "recompute": summary,
+        "losses_bitwise_equal": bench.bitwise_equal(losses[row], losses["unplanned"]),
+        "state_bitwise_equal": not mismatches,
+        "per_step": steps,
+    }
+
+
+def _epoch_result(spec, lengths: list[int], longest_peak: int, budget: int, rows: list[dict],
+                  whole_segments: bool, settings: Settings) -> dict[str, Any]:
+    """The epoch's result: its rows and the speedups between them."""
     by_row = {r["row"]: r for r in rows}
     whole = {}
     if whole_segments:

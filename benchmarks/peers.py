@@ -84,7 +84,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from benchmarks import common as bench
 from ort_offload.report import save_figure
@@ -564,62 +563,87 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
     import onnxruntime
     import torch
 
-    import ort_offload
-    from models import get_model
-    from ort_offload.export import optimizers
-    from ort_offload.errors import BudgetTooSmallError, OffloadError
-    from ort_offload.export.training_step import default_cache_dir, export_training_step
-    from ort_offload.trainer import resolve_passes
-
     onnxruntime.set_default_logger_severity(3)  # errors only
     started = time.perf_counter()
     run_meter = CpuMeter()
-    say = log
-    log = lambda msg: say(f"[{time.perf_counter() - started:6.1f} s] {msg}")  # noqa: E731
-    spec = get_model(settings.model, settings.config)
-    base_batch = spec.default_batch
-    steps = settings.warmup_steps + settings.measured_steps
-    pairs = [spec.make_batch(seed=i) for i in range(steps)]
-    batches = [tuple(i) + tuple(t) for i, t in pairs]
-    inputs, targets = spec.make_batch(seed=0)
-    n_inputs = len(inputs)
-    optimizer = optimizers.make_optimizer("adamw")
-    label = f"{settings.model}-{settings.config}"
-    common = dict(
-        loss_fn=spec.loss_fn, input_names=list(spec.input_names), target_names=list(spec.target_names),
-        dynamic_axes=spec.dynamic_axes, optimizer=optimizer, name=label,
-    )
-    rows: list[dict[str, Any]] = []
-
-    def batch_at(size: int) -> tuple:
-        i, t = spec.make_batch(size, seed=0)
-        return tuple(i) + tuple(t)
-
+    ctx = _Bench(settings, lambda msg: log(f"[{time.perf_counter() - started:6.1f} s] {msg}"))
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    cache_dir = default_cache_dir()  # the export is not what is compared: reuse it across runs
-    log(f"{label}: exporting (cache {cache_dir})")
-    export_s, export = _timed(lambda: export_training_step(
-        spec.model, example_inputs=inputs, example_targets=targets, cache_dir=cache_dir, **common))
-    again = export_training_step(spec.model, example_inputs=inputs, example_targets=targets, cache_dir=cache_dir,
-                                 **common)
-    if not again.cache_hit:
-        raise RuntimeError(f"the export cache in {cache_dir} does not hit: every trainer would export again")
+    export = _export(ctx)
+    # 1. the reference: no budget, the unplanned program
+    reference = _run_reference(ctx, export)
+    rows: list[dict[str, Any]] = [_reference_row(ctx, reference)]
+    # 2. torch peers
+    peers = _torch_rows(ctx, reference)
+    rows += peers.rows
+    cuda = cuda_info()
+    rows.append(_save_on_cpu_row(cuda))
+    # 3. the minimum budget of the swap pass
+    minimum = _probe_minimum(ctx)
+    # 4. ours
+    for method, passes, budget_label in OURS_ROWS:
+        rows.append(_ours_row(ctx, reference, method, passes, budget_label, minimum.bytes, peers.eager_losses,
+                              artifacts))
+    # 5. the offloaded module in a plain torch loop
+    rows.extend(measure_own_loop(ctx.settings, ctx.spec, reference.interleave, reference.losses, ctx.optimizer,
+                                 cache_dir=ctx.cache_dir, log=ctx.log))
+    baseline_peak = reference.baseline_peak
+    del reference
+    gc.collect()
+    # 6. the RSS cross-check of the torch peaks, in a child process with its own malloc settings
+    probe_s = _rss_cross_check(ctx, rows)
+    rows.sort(key=lambda r: METHODS.index(r["method"]))
+    result = _peers_result(ctx, export, baseline_peak, minimum, rows, cuda, probe_s, run_meter)
+    result["total_time_s"] = time.perf_counter() - started
+    return result
 
-    def trainer_for(budget, passes="auto", batch: tuple | None = None):
+
+class _Bench:
+    """What every row shares: the model, its batches, the export cache, and trainers made from it."""
+
+    def __init__(self, settings: Settings, log: Callable[[str], None]) -> None:
+        from models import get_model
+        from ort_offload.export import optimizers
+        from ort_offload.export.training_step import default_cache_dir
+
+        self.settings, self.log = settings, log
+        self.spec = spec = get_model(settings.model, settings.config)
+        self.base_batch = spec.default_batch
+        self.steps = settings.warmup_steps + settings.measured_steps
+        pairs = [spec.make_batch(seed=i) for i in range(self.steps)]
+        self.batches = [tuple(i) + tuple(t) for i, t in pairs]
+        self.inputs, self.targets = spec.make_batch(seed=0)
+        self.n_inputs = len(self.inputs)
+        self.optimizer = optimizers.make_optimizer("adamw")
+        self.label = f"{settings.model}-{settings.config}"
+        self.common = dict(
+            loss_fn=spec.loss_fn, input_names=list(spec.input_names), target_names=list(spec.target_names),
+            dynamic_axes=spec.dynamic_axes, optimizer=self.optimizer, name=self.label,
+        )
+        self.cache_dir = default_cache_dir()  # the export is not what is compared: reuse it across runs
+
+    def batch_at(self, size: int) -> tuple:
+        i, t = self.spec.make_batch(size, seed=0)
+        return tuple(i) + tuple(t)
+
+    def trainer_for(self, budget, passes="auto", batch: tuple | None = None):
+        import ort_offload
+
         device = ort_offload.set_offload_device("cpu", budget=budget)
-        example = batches[0] if batch is None else batch
+        example = self.batches[0] if batch is None else batch
         return ort_offload.create_ort_trainer(
-            device, spec.model, example_inputs=example[:n_inputs], example_targets=example[n_inputs:],
-            passes=passes, cache_dir=cache_dir, **common)
+            device, self.spec.model, example_inputs=example[:self.n_inputs], example_targets=example[self.n_inputs:],
+            passes=passes, cache_dir=self.cache_dir, **self.common)
 
-    def ours_fits(budget_bytes: int | None, passes: str, limit: int) -> Callable[[int], dict[str, Any]]:
+    def ours_fits(self, budget_bytes: int | None, passes: str, limit: int) -> Callable[[int], dict[str, Any]]:
         """A fresh trainer for the batch under ``budget_bytes`` (None: unlimited), one real step;
         fits if it plans and its peak is <= ``limit``."""
+        from ort_offload.errors import BudgetTooSmallError
+
         def fits(size: int) -> dict[str, Any]:
-            data = batch_at(size)
+            data = self.batch_at(size)
             try:
-                trainer = trainer_for(budget_bytes, passes, data)
+                trainer = self.trainer_for(budget_bytes, passes, data)
             except BudgetTooSmallError as e:
                 return {"fits": False, "needed_bytes": int(e.needed_bytes), "why": "BudgetTooSmallError"}
             seconds, _ = _timed(trainer.step, *data)
@@ -630,36 +654,84 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
                     "why": "" if peak <= limit else f"peak {peak} > {limit}"}
         return fits
 
-    # 1. the reference: no budget, the unplanned program
-    reference, ref_setup_s = bench.timed(lambda: trainer_for(None))
+
+@dataclasses.dataclass(frozen=True)
+class _Export:
+    result: Any  # ExportResult
+    seconds: float
+
+
+def _export(ctx: _Bench) -> _Export:
+    """The export, into the shared cache; checks that the cache hits afterwards."""
+    from ort_offload.export.training_step import export_training_step
+
+    ctx.log(f"{ctx.label}: exporting (cache {ctx.cache_dir})")
+    export_s, export = _timed(lambda: export_training_step(
+        ctx.spec.model, example_inputs=ctx.inputs, example_targets=ctx.targets, cache_dir=ctx.cache_dir,
+        **ctx.common))
+    again = export_training_step(ctx.spec.model, example_inputs=ctx.inputs, example_targets=ctx.targets,
+                                 cache_dir=ctx.cache_dir, **ctx.common)
+    if not again.cache_hit:
+        raise RuntimeError(f"the export cache in {ctx.cache_dir} does not hit: every trainer would export again")
+    return _Export(export, export_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReferenceRun:
+    """The unplanned trainer's run over the batches, and the interleaver that steps it next to
+    every other row's measured steps."""
+
+    trainer: Any
+    setup_s: float
+    baseline_peak: int
+    times: list[float]
+    losses: list[float]
+    other_share: float
+    state: dict[str, Any]
+    report: dict[str, Any]
+    interleave: Interleaver
+
+    @property
+    def peak(self) -> int:
+        return int(self.report["peak_device_bytes"])
+
+
+def _run_reference(ctx: _Bench, export: _Export) -> _ReferenceRun:
+    reference, ref_setup_s = bench.timed(lambda: ctx.trainer_for(None))
     baseline_peak = int(reference.runner.baseline_peak_bytes)
-    log(f"{label}: {len(export.graph.graph.node)} nodes, batch {base_batch}, unplanned peak {baseline_peak} "
-        f"bytes; reference: {steps} steps")
+    ctx.log(f"{ctx.label}: {len(export.result.graph.graph.node)} nodes, batch {ctx.base_batch}, unplanned peak "
+            f"{baseline_peak} bytes; reference: {ctx.steps} steps")
     ref_times, ref_losses = [], []
     meter = CpuMeter()
-    for batch in batches:
+    for batch in ctx.batches:
         seconds, loss = _timed(reference.step, *batch)
         ref_times.append(seconds)
         ref_losses.append(loss)
     ref_other_share = meter.other_share()
-    ref_state = reference.state_dict()
-    ref_report = reference.report()
-    ref_peak = int(ref_report["peak_device_bytes"])
-    interleave = Interleaver(reference, batches, settings.settle_s)
-    log(f"{label}: reference largest batch (unplanned peak <= {ref_peak} bytes)")
+    return _ReferenceRun(
+        trainer=reference, setup_s=ref_setup_s, baseline_peak=baseline_peak, times=ref_times, losses=ref_losses,
+        other_share=ref_other_share, state=reference.state_dict(), report=reference.report(),
+        interleave=Interleaver(reference, ctx.batches, ctx.settings.settle_s),
+    )
+
+
+def _reference_row(ctx: _Bench, ref: _ReferenceRun) -> dict[str, Any]:
+    """The reference's row, with the largest batch its unplanned peak holds."""
+    settings, ref_peak, ref_report = ctx.settings, ref.peak, ref.report
+    ctx.log(f"{ctx.label}: reference largest batch (unplanned peak <= {ref_peak} bytes)")
     ref_search = search_largest_batch(
-        base_batch, settings.batch_doublings, ours_fits(None, "none", ref_peak),
+        ctx.base_batch, settings.batch_doublings, ctx.ours_fits(None, "none", ref_peak),
         base_result={"fits": True, "peak_device_bytes": ref_peak})
-    rows.append({
+    return {
         "method": REFERENCE, "label": LABELS[REFERENCE], "kind": "reference", "status": "ok", "reason": None,
         "metrics": {
             "peak_device_bytes": ref_peak,
             "rss_growth_bytes": OURS_NO_RSS,
             "budget_bytes": REFERENCE_BUDGET,
-            "step_time_s_median": bench.median(ref_times[settings.warmup_steps:]),
+            "step_time_s_median": bench.median(ref.times[settings.warmup_steps:]),
             "ratio_to_unplanned": 1.0,
             "largest_batch": ref_search["largest_batch"],
-            "swap_bytes_per_step": (ref_report["swap_out_bytes"] + ref_report["swap_in_bytes"]) / steps,
+            "swap_bytes_per_step": (ref_report["swap_out_bytes"] + ref_report["swap_in_bytes"]) / ctx.steps,
             "recomputed": ref_report["recomputed_nodes"],
             "faults": ref_report["faults"],
             "loss_max_rel_diff": 0.0,
@@ -668,39 +740,48 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         "batch_search_budget_bytes": ref_peak,
         "largest_batch_capped": ref_search["largest_batch_capped"],
         "largest_batch_tried": ref_search["tried"],
-        "blocks": len(reference.runner.last_prepared.program.blocks),
-        "setup_s": ref_setup_s,
-        "first_step_s": ref_times[0],
-        "step_times_s": ref_times[settings.warmup_steps:],
-        "other_cpu_share": ref_other_share,
-        "losses": ref_losses,
+        "blocks": len(ref.trainer.runner.last_prepared.program.blocks),
+        "setup_s": ref.setup_s,
+        "first_step_s": ref.times[0],
+        "step_times_s": ref.times[settings.warmup_steps:],
+        "other_cpu_share": ref.other_share,
+        "losses": ref.losses,
         "losses_bitwise_equal": True,
         "state_bitwise_equal": True,
-    })
+    }
 
-    # 2. torch peers
+
+@dataclasses.dataclass(frozen=True)
+class _TorchRows:
+    rows: list[dict[str, Any]]
+    eager_losses: list[float]  # torch eager's, what ours are also compared with
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchRun:
+    """One torch variant measured: its steps next to the reference's, its peak, its backward's
+    op count and its largest batch under the reference's peak."""
+
+    peer: Any
+    timing: dict[str, Any]
+    peak: dict[str, Any]
+    backward_ops: int
+    search: dict[str, Any]
+
+
+def _torch_rows(ctx: _Bench, ref: _ReferenceRun) -> _TorchRows:
+    """One row per torch variant; a variant that cannot run here is a row with the reason
+    (except eager, which every other row is compared with)."""
+    import torch
+
+    rows = []
     eager_losses = None
     eager_backward_ops = None
     for method, variant in TORCH_ROWS:
-        log(f"{label}: {method}")
+        ctx.log(f"{ctx.label}: {method}")
         row: dict[str, Any] = {"method": method, "label": LABELS[method], "kind": "torch", "variant": variant}
         try:
-            peer = TorchPeer(settings, variant, n_inputs)
-            timing = interleave.run(peer.step, warmup=settings.warmup_steps)
-            peak = torch_peak(peer, batches[0])
-            backward_ops = backward_op_count(peer, batches[0])
-
-            def torch_fits(size: int, _peer=peer) -> dict[str, Any]:
-                measured = torch_peak(_peer, batch_at(size))
-                ok = measured["peak_device_bytes"] <= ref_peak
-                return {"fits": ok, **measured,
-                        "why": "" if ok else f"peak {measured['peak_device_bytes']} > {ref_peak}"}
-
-            search = search_largest_batch(
-                base_batch, settings.batch_doublings, torch_fits,
-                base_result={"fits": peak["peak_device_bytes"] <= ref_peak, **peak,
-                             "why": "" if peak["peak_device_bytes"] <= ref_peak
-                             else f"peak {peak['peak_device_bytes']} > {ref_peak}"})
+            run = _run_torch_peer(ctx, ref, variant)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is a row with the reason
             if variant == "eager":
                 raise
@@ -709,144 +790,219 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             rows.append(row)
             continue
         if variant == "eager":
-            eager_losses, eager_backward_ops = timing["losses"], backward_ops
-        loss_diff = _rel_diff(timing["losses"], ref_losses)
-        row.update(
-            status="ok", reason=None,
-            metrics={
-                "peak_device_bytes": peak["peak_device_bytes"],
-                "rss_growth_bytes": "pending",  # filled by the RSS probe below
-                "budget_bytes": ref_peak,
-                "step_time_s_median": timing["median"],
-                "ratio_to_unplanned": timing["ratio"],
-                "largest_batch": search["largest_batch"],
-                "swap_bytes_per_step": TORCH_NO_SWAP,
-                "recomputed": backward_ops - eager_backward_ops,
-                "faults": TORCH_NO_FAULTS,
-                "loss_max_rel_diff": loss_diff,
-            },
-            peak_method="torch.profiler allocator high-water of one step + parameters, buffers and AdamW "
-                        "state resident at its start",
-            profiler_high_water_bytes=peak["profiler_high_water_bytes"],
-            resident_bytes=peak["resident_bytes"],
-            recomputed_unit="aten ops dispatched in backward beyond torch eager's count",
-            backward_ops=backward_ops,
-            batch_search_budget_bytes=ref_peak,
-            **_search_and_timing_fields(search, timing),
-            losses_within_tolerance=loss_diff <= settings.torch_loss_rtol,
-            losses_bitwise_equal_torch_eager=bench.bitwise_equal(timing["losses"], eager_losses),
-        )
+            eager_losses, eager_backward_ops = run.timing["losses"], run.backward_ops
+        row.update(_torch_row_fields(ctx, ref, run, eager_losses, eager_backward_ops))
         rows.append(row)
-        del peer
+        del run
         gc.collect()
+    return _TorchRows(rows, eager_losses)
 
-    cuda = cuda_info()
+
+def _run_torch_peer(ctx: _Bench, ref: _ReferenceRun, variant: str) -> _TorchRun:
+    settings, ref_peak = ctx.settings, ref.peak
+    peer = TorchPeer(settings, variant, ctx.n_inputs)
+    timing = ref.interleave.run(peer.step, warmup=settings.warmup_steps)
+    peak = torch_peak(peer, ctx.batches[0])
+    backward_ops = backward_op_count(peer, ctx.batches[0])
+
+    def torch_fits(size: int, _peer=peer) -> dict[str, Any]:
+        measured = torch_peak(_peer, ctx.batch_at(size))
+        ok = measured["peak_device_bytes"] <= ref_peak
+        return {"fits": ok, **measured,
+                "why": "" if ok else f"peak {measured['peak_device_bytes']} > {ref_peak}"}
+
+    search = search_largest_batch(
+        ctx.base_batch, settings.batch_doublings, torch_fits,
+        base_result={"fits": peak["peak_device_bytes"] <= ref_peak, **peak,
+                     "why": "" if peak["peak_device_bytes"] <= ref_peak
+                     else f"peak {peak['peak_device_bytes']} > {ref_peak}"})
+    return _TorchRun(peer, timing, peak, backward_ops, search)
+
+
+def _torch_row_fields(ctx: _Bench, ref: _ReferenceRun, run: _TorchRun, eager_losses: list[float],
+                      eager_backward_ops: int) -> dict[str, Any]:
+    timing, peak = run.timing, run.peak
+    loss_diff = _rel_diff(timing["losses"], ref.losses)
+    return dict(
+        status="ok", reason=None,
+        metrics={
+            "peak_device_bytes": peak["peak_device_bytes"],
+            "rss_growth_bytes": "pending",  # filled by the RSS probe below
+            "budget_bytes": ref.peak,
+            "step_time_s_median": timing["median"],
+            "ratio_to_unplanned": timing["ratio"],
+            "largest_batch": run.search["largest_batch"],
+            "swap_bytes_per_step": TORCH_NO_SWAP,
+            "recomputed": run.backward_ops - eager_backward_ops,
+            "faults": TORCH_NO_FAULTS,
+            "loss_max_rel_diff": loss_diff,
+        },
+        peak_method="torch.profiler allocator high-water of one step + parameters, buffers and AdamW "
+                    "state resident at its start",
+        profiler_high_water_bytes=peak["profiler_high_water_bytes"],
+        resident_bytes=peak["resident_bytes"],
+        recomputed_unit="aten ops dispatched in backward beyond torch eager's count",
+        backward_ops=run.backward_ops,
+        batch_search_budget_bytes=ref.peak,
+        **_search_and_timing_fields(run.search, timing),
+        losses_within_tolerance=loss_diff <= ctx.settings.torch_loss_rtol,
+        losses_bitwise_equal_torch_eager=bench.bitwise_equal(timing["losses"], eager_losses),
+    )
+
+
+def _save_on_cpu_row(cuda: dict[str, Any]) -> dict[str, Any]:
+    """torch's save_on_cpu offloads to the host from a CUDA device: skipped, with why."""
     reason = CUDA_NOT_COMPARABLE if cuda["torch_cuda_available"] else NEEDS_CUDA
-    rows.append({"method": SAVE_ON_CPU, "label": LABELS[SAVE_ON_CPU], "kind": "torch", "status": "skipped",
-                 "reason": reason, "metrics": _empty_metrics(reason)})
+    return {"method": SAVE_ON_CPU, "label": LABELS[SAVE_ON_CPU], "kind": "torch", "status": "skipped",
+            "reason": reason, "metrics": _empty_metrics(reason)}
 
-    # 3. the minimum budget of the swap pass
-    log(f"{label}: probing the minimum budget (budget {PROBE_BUDGET} byte)")
+
+@dataclasses.dataclass(frozen=True)
+class _Minimum:
+    bytes: int  # the least budget the swap pass plans for
+    probe_s: float
+
+
+def _probe_minimum(ctx: _Bench) -> _Minimum:
+    """The swap pass's minimum budget, from the error a one-byte budget raises."""
+    from ort_offload.errors import BudgetTooSmallError
+
+    ctx.log(f"{ctx.label}: probing the minimum budget (budget {PROBE_BUDGET} byte)")
     min_probe_s = time.perf_counter()
     try:
-        trainer_for(PROBE_BUDGET, "swap")
+        ctx.trainer_for(PROBE_BUDGET, "swap")
     except BudgetTooSmallError as e:
         minimum = int(e.needed_bytes)
     else:
         raise RuntimeError(f"a budget of {PROBE_BUDGET} byte planned; expected BudgetTooSmallError")
-    min_probe_s = time.perf_counter() - min_probe_s
+    return _Minimum(minimum, time.perf_counter() - min_probe_s)
 
-    # 4. ours
-    for method, passes, budget_label in OURS_ROWS:
-        row = {"method": method, "label": LABELS[method], "kind": "ours", "passes_requested": passes,
-               "budget": budget_label}
-        try:
-            resolve_passes(passes)
-        except OffloadError as e:
-            reason = NOT_IMPLEMENTED
-            row.update(status="not_implemented", reason=reason, error=str(e), metrics=_empty_metrics(reason))
-            rows.append(row)
-            continue
-        budget = minimum if budget_label == MINIMUM else budget_label
-        log(f"{label}: {method}: planning")
-        try:
-            trainer, setup_s = bench.timed(lambda: trainer_for(budget, passes))
-        except BudgetTooSmallError as e:
-            reason = f"BudgetTooSmallError: {e}"
-            row.update(status="budget_too_small", reason=reason, metrics=_empty_metrics(reason))
-            rows.append(row)
-            continue
-        budget_bytes = int(trainer.runtime.budget_bytes)
-        report0 = trainer.report()
-        stats_at: dict[str, Any] = {}
 
-        def ours_step(batch, _trainer=trainer):
-            if len(_trainer.losses) == settings.warmup_steps:
-                stats_at["before"] = dataclasses.replace(_trainer.runtime.stats, fault_log=[])
-            return _trainer.step(*batch)
+def _ours_row(ctx: _Bench, ref: _ReferenceRun, method: str, passes: str, budget_label, minimum: int,
+              eager_losses: list[float], artifacts: dict[str, Any]) -> dict[str, Any]:
+    """One of our rows: passes not built yet and budgets too small are rows with the reason."""
+    from ort_offload.errors import BudgetTooSmallError, OffloadError
+    from ort_offload.trainer import resolve_passes
 
-        timing = interleave.run(ours_step, warmup=settings.warmup_steps)
-        before = stats_at["before"]
-        after = trainer.runtime.stats
-        report = trainer.report()
-        state_bad = bench.state_mismatches(trainer.state_dict(), ref_state)
-        prepared = trainer.runner.last_prepared
-        if passes == "swap" and budget_label == TIMELINE_BUDGET:
-            artifacts["timeline"] = {"baseline": trainer.runner.baseline_trace, "planned": trainer.runner.last_trace,
-                                     "budget_bytes": budget_bytes, "title": f"{label} batch {base_batch}: device "
-                                     f"bytes over one step, passes=swap @ {TIMELINE_BUDGET}"}
-        peak = int(report["peak_device_bytes"])
-        n = settings.measured_steps
-        del trainer
-        gc.collect()
-        log(f"{label}: {method}: largest batch under {budget_bytes} bytes")
-        search = search_largest_batch(
-            base_batch, settings.batch_doublings, ours_fits(budget_bytes, passes, budget_bytes),
-            base_result={"fits": peak <= budget_bytes, "peak_device_bytes": peak,
-                         "why": "" if peak <= budget_bytes else f"peak {peak} > {budget_bytes}"})
-        row.update(
-            status="ok", reason=None,
-            metrics={
-                "peak_device_bytes": peak,
-                "rss_growth_bytes": OURS_NO_RSS,
-                "budget_bytes": budget_bytes,
-                "step_time_s_median": timing["median"],
-                "ratio_to_unplanned": timing["ratio"],
-                "largest_batch": search["largest_batch"],
-                "swap_bytes_per_step": (after.swap_out_bytes - before.swap_out_bytes
-                                        + after.swap_in_bytes - before.swap_in_bytes) / n,
-                "recomputed": report["recomputed_nodes"],
-                "faults": report["faults"],
-                "loss_max_rel_diff": _rel_diff(timing["losses"], ref_losses),
-            },
-            peak_method="runtime: arena high-water + largest block workspace (trainer.report())",
-            within_budget=peak <= budget_bytes,
-            budget_over_baseline_peak=budget_bytes / baseline_peak,
-            passes=report["passes"],
-            blocks=len(prepared.program.blocks),
-            plan_time_s=report0["plan_time_s"],
-            setup_s=setup_s,
-            swap_out_bytes_per_step=(after.swap_out_bytes - before.swap_out_bytes) / n,
-            swap_in_bytes_per_step=(after.swap_in_bytes - before.swap_in_bytes) / n,
-            recomputed_unit="nodes added by the recompute pass (trainer.report()['recomputed_nodes'])",
-            split_nodes=report["split_nodes"],
-            faults_measured=after.faults - before.faults,
-            batch_search_budget_bytes=budget_bytes,
-            **_search_and_timing_fields(search, timing),
-            losses_bitwise_equal=bench.bitwise_equal(timing["losses"], ref_losses),
-            loss_max_rel_diff_vs_torch_eager=_rel_diff(timing["losses"], eager_losses),
-            state_bitwise_equal=not state_bad,
-            state_mismatches=state_bad[:10],
-        )
-        rows.append(row)
-    rows.extend(measure_own_loop(settings, spec, interleave, ref_losses, optimizer, cache_dir=cache_dir, log=log))
-    del reference, interleave
+    row = {"method": method, "label": LABELS[method], "kind": "ours", "passes_requested": passes,
+           "budget": budget_label}
+    try:
+        resolve_passes(passes)
+    except OffloadError as e:
+        reason = NOT_IMPLEMENTED
+        row.update(status="not_implemented", reason=reason, error=str(e), metrics=_empty_metrics(reason))
+        return row
+    budget = minimum if budget_label == MINIMUM else budget_label
+    ctx.log(f"{ctx.label}: {method}: planning")
+    try:
+        trainer, setup_s = bench.timed(lambda: ctx.trainer_for(budget, passes))
+    except BudgetTooSmallError as e:
+        reason = f"BudgetTooSmallError: {e}"
+        row.update(status="budget_too_small", reason=reason, metrics=_empty_metrics(reason))
+        return row
+    run = _run_ours(ctx, ref, trainer, passes, budget_label, artifacts)
+    del trainer
     gc.collect()
+    ctx.log(f"{ctx.label}: {method}: largest batch under {run.budget_bytes} bytes")
+    search = search_largest_batch(
+        ctx.base_batch, ctx.settings.batch_doublings, ctx.ours_fits(run.budget_bytes, passes, run.budget_bytes),
+        base_result={"fits": run.peak <= run.budget_bytes, "peak_device_bytes": run.peak,
+                     "why": "" if run.peak <= run.budget_bytes else f"peak {run.peak} > {run.budget_bytes}"})
+    row.update(_ours_row_fields(ctx, ref, run, search, setup_s, eager_losses))
+    return row
 
-    # 5. the RSS cross-check of the torch peaks, in a child process with its own malloc settings
+
+@dataclasses.dataclass(frozen=True)
+class _OursRun:
+    """Our trainer's steps next to the reference's, and what its runtime reported."""
+
+    timing: dict[str, Any]
+    before: Any  # runtime stats when the measured steps start
+    after: Any
+    report0: dict[str, Any]  # right after planning
+    report: dict[str, Any]
+    state_bad: list[str]  # state tensors that differ from the reference's
+    prepared: Any
+    budget_bytes: int
+
+    @property
+    def peak(self) -> int:
+        return int(self.report["peak_device_bytes"])
+
+
+def _run_ours(ctx: _Bench, ref: _ReferenceRun, trainer, passes: str, budget_label,
+              artifacts: dict[str, Any]) -> _OursRun:
+    """Interleave ``trainer``'s steps with the reference's; the swap plan at the timeline
+    budget leaves its memory traces in ``artifacts``."""
+    settings = ctx.settings
+    budget_bytes = int(trainer.runtime.budget_bytes)
+    report0 = trainer.report()
+    stats_at: dict[str, Any] = {}
+
+    def ours_step(batch, _trainer=trainer):
+        if len(_trainer.losses) == settings.warmup_steps:
+            stats_at["before"] = dataclasses.replace(_trainer.runtime.stats, fault_log=[])
+        return _trainer.step(*batch)
+
+    timing = ref.interleave.run(ours_step, warmup=settings.warmup_steps)
+    before = stats_at["before"]
+    after = trainer.runtime.stats
+    report = trainer.report()
+    state_bad = bench.state_mismatches(trainer.state_dict(), ref.state)
+    prepared = trainer.runner.last_prepared
+    if passes == "swap" and budget_label == TIMELINE_BUDGET:
+        artifacts["timeline"] = {"baseline": trainer.runner.baseline_trace, "planned": trainer.runner.last_trace,
+                                 "budget_bytes": budget_bytes, "title": f"{ctx.label} batch {ctx.base_batch}: device "
+                                 f"bytes over one step, passes=swap @ {TIMELINE_BUDGET}"}
+    return _OursRun(timing, before, after, report0, report, state_bad, prepared, budget_bytes)
+
+
+def _ours_row_fields(ctx: _Bench, ref: _ReferenceRun, run: _OursRun, search: dict[str, Any], setup_s: float,
+                     eager_losses: list[float]) -> dict[str, Any]:
+    timing, before, after, report, budget_bytes, peak = (run.timing, run.before, run.after, run.report,
+                                                         run.budget_bytes, run.peak)
+    n = ctx.settings.measured_steps
+    return dict(
+        status="ok", reason=None,
+        metrics={
+            "peak_device_bytes": peak,
+            "rss_growth_bytes": OURS_NO_RSS,
+            "budget_bytes": budget_bytes,
+            "step_time_s_median": timing["median"],
+            "ratio_to_unplanned": timing["ratio"],
+            "largest_batch": search["largest_batch"],
+            "swap_bytes_per_step": (after.swap_out_bytes - before.swap_out_bytes
+                                    + after.swap_in_bytes - before.swap_in_bytes) / n,
+            "recomputed": report["recomputed_nodes"],
+            "faults": report["faults"],
+            "loss_max_rel_diff": _rel_diff(timing["losses"], ref.losses),
+        },
+        peak_method="runtime: arena high-water + largest block workspace (trainer.report())",
+        within_budget=peak <= budget_bytes,
+        budget_over_baseline_peak=budget_bytes / ref.baseline_peak,
+        passes=report["passes"],
+        blocks=len(run.prepared.program.blocks),
+        plan_time_s=run.report0["plan_time_s"],
+        setup_s=setup_s,
+        swap_out_bytes_per_step=(after.swap_out_bytes - before.swap_out_bytes) / n,
+        swap_in_bytes_per_step=(after.swap_in_bytes - before.swap_in_bytes) / n,
+        recomputed_unit="nodes added by the recompute pass (trainer.report()['recomputed_nodes'])",
+        split_nodes=report["split_nodes"],
+        faults_measured=after.faults - before.faults,
+        batch_search_budget_bytes=budget_bytes,
+        **_search_and_timing_fields(search, timing),
+        losses_bitwise_equal=bench.bitwise_equal(timing["losses"], ref.losses),
+        loss_max_rel_diff_vs_torch_eager=_rel_diff(timing["losses"], eager_losses),
+        state_bitwise_equal=not run.state_bad,
+        state_mismatches=run.state_bad[:10],
+    )
+
+
+def _rss_cross_check(ctx: _Bench, rows: list[dict[str, Any]]) -> float:
+    """Fill the torch rows' RSS growth from a child process; returns the probe's seconds."""
     torch_ok = [r for r in rows if r["kind"] == "torch" and r["status"] == "ok"]
-    log(f"{label}: RSS cross-check of {len(torch_ok)} torch rows (child process)")
-    probe, probe_s = bench.timed(lambda: run_rss_probe(settings, base_batch, [r["variant"] for r in torch_ok]))
+    ctx.log(f"{ctx.label}: RSS cross-check of {len(torch_ok)} torch rows (child process)")
+    probe, probe_s = bench.timed(lambda: run_rss_probe(ctx.settings, ctx.base_batch, [r["variant"] for r in torch_ok]))
     for row in torch_ok:
         got = probe.get(row["variant"], {"error": "missing from the probe's output"})
         if "error" in got:
@@ -854,8 +1010,15 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         else:
             row["metrics"]["rss_growth_bytes"] = int(got["rss_growth_bytes"])
             row["rss_over_profiler"] = got["rss_growth_bytes"] / max(row["profiler_high_water_bytes"], 1)
+    return probe_s
 
-    rows.sort(key=lambda r: METHODS.index(r["method"]))
+
+def _peers_result(ctx: _Bench, export: _Export, baseline_peak: int, minimum: _Minimum, rows: list[dict[str, Any]],
+                  cuda: dict[str, Any], probe_s: float, run_meter: CpuMeter) -> dict[str, Any]:
+    """The result document, without its total time."""
+    import torch
+
+    settings, spec, base_batch, optimizer = ctx.settings, ctx.spec, ctx.base_batch, ctx.optimizer
     cfg = spec.config
     ours_ok = [r for r in rows if r["kind"] == "ours" and r["status"] == "ok"]
     return {
@@ -886,12 +1049,12 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
             "batch": base_batch,
             "seq": spec.default_seq,
             "parameters": int(sum(p.numel() for p in spec.model.parameters())),
-            "graph_nodes": len(export.graph.graph.node),
-            "export_s": export_s,
-            "export_cache_hit": bool(export.cache_hit),
+            "graph_nodes": len(export.result.graph.graph.node),
+            "export_s": export.seconds,
+            "export_cache_hit": bool(export.result.cache_hit),
             "baseline_peak_bytes": baseline_peak,
-            "min_budget_bytes": minimum,
-            "min_probe_s": min_probe_s,
+            "min_budget_bytes": minimum.bytes,
+            "min_probe_s": minimum.probe_s,
         },
         "metrics": list(METRICS),
         "methods": list(METHODS),
@@ -901,7 +1064,6 @@ def measure(settings: Settings, *, log: Callable[[str], None], artifacts: dict[s
         "contention_share": CONTENTION_SHARE,
         "all_ours_within_budget": all(r["within_budget"] for r in ours_ok),
         "all_ours_bitwise_equal": all(r["losses_bitwise_equal"] and r["state_bitwise_equal"] for r in ours_ok),
-        "total_time_s": time.perf_counter() - started,
     }
 
 

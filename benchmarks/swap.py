@@ -178,7 +178,7 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
     from graph_passes.cost.step_bound import step_time_bound
 
     runner = trainer.runner
-    finest = runner.lower_program(runner.model, unplanned.infos, runner.schedule, max_block_nodes=1)
+    finest = runner.planner.layouts.lower_program(runner.model, unplanned.infos, runner.schedule, max_block_nodes=1)
     out = {}
     for name in PROFILES:
         bound, bound_s = bench.timed(lambda: step_time_bound(finest, unplanned.infos, model=runner.model,
@@ -195,10 +195,8 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
 
 
 def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
-    import ort_offload
     from models import get_model
     from ort_offload.export import optimizers
-    from ort_offload.errors import BudgetTooSmallError
     from ort_offload.export.training_step import export_training_step
 
     started = time.perf_counter()
@@ -220,155 +218,228 @@ def measure_model(name: str, config: str, settings: Settings, *, log: Callable[[
             spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn, optimizer=optimizer,
             input_names=list(spec.input_names), target_names=list(spec.target_names),
             dynamic_axes=spec.dynamic_axes, name=label, cache_dir=cache_dir))
-        cached_files = sorted(os.listdir(cache_dir))
-
-        def trainer_for(budget):
-            device = ort_offload.set_offload_device("cpu", budget=budget)
-            trainer = ort_offload.create_ort_trainer(device, spec.model, cache_dir=cache_dir, **common)
-            if sorted(os.listdir(cache_dir)) != cached_files:
-                raise RuntimeError("create_ort_trainer exported again instead of hitting the export cache")
-            return trainer
-
+        trainers = _CachedTrainers(spec, cache_dir, common)
         # 1. the reference: no budget, the unplanned program
-        reference, ref_setup_s = bench.timed(lambda: trainer_for(None))
-        unplanned = reference.runner.last_prepared
-        baseline_peak = reference.runner.baseline_peak_bytes
-        log(f"{label}: {len(export.graph.graph.node)} nodes, unplanned peak {baseline_peak} bytes; "
+        reference = _Reference(trainers, batches)
+        log(f"{label}: {len(export.graph.graph.node)} nodes, unplanned peak {reference.baseline_peak} bytes; "
             f"reference: {steps} steps")
-        ref_times, ref_losses = [], []
-        for batch in batches:
-            seconds, loss = _timed_step(reference, batch)
-            ref_times.append(seconds)
-            ref_losses.append(loss)
-        ref_state = reference.state_dict()
-        ref_report = reference.report()
-
+        reference.train()
         # 2. the minimum budget
-        log(f"{label}: probing the minimum budget (budget {PROBE_BUDGET} byte)")
-        probe_start = time.perf_counter()
-        try:
-            trainer_for(PROBE_BUDGET)
-        except BudgetTooSmallError as e:
-            minimum = int(e.needed_bytes)
-        else:
-            raise RuntimeError(f"a budget of {PROBE_BUDGET} byte planned; expected BudgetTooSmallError")
-        min_probe_s = time.perf_counter() - probe_start
+        minimum = _probe_minimum(trainers, label, log)
         gc.collect()
-
         # 3. one row per budget
-        rows = []
-        ref_cursor = 0  # the reference keeps training on the same batches, cycled (timing only)
-        for budget_label in settings.budgets:
-            budget = minimum if budget_label == MINIMUM else budget_label
-            log(f"{label} @ {budget_label}: planning")
-            row: dict[str, Any] = {"model": name, "config": config, "budget": budget_label}
-            try:
-                trainer, setup_s = bench.timed(lambda: trainer_for(budget))
-            except BudgetTooSmallError as e:  # reported, not hidden: the row shows why
-                row.update(status="budget_too_small", error=str(e), needed_bytes=e.needed_bytes)
-                rows.append(row)
-                continue
-            prepared = trainer.runner.last_prepared
-            plan = prepared.swap_plan
-            report0 = trainer.report()
-            budget_bytes = int(trainer.runtime.budget_bytes)
-            log(f"{label} @ {budget_label}: {len(prepared.program.blocks)} blocks, planned in "
-                f"{report0['plan_time_s']:.2f} s; {steps} steps interleaved with the reference")
-            times, losses, ref_turn_times = [], [], []
-            before = None
-            for i, batch in enumerate(batches):
-                if i == settings.warmup_steps:
-                    before = _stats_snapshot(trainer)
-                seconds, loss = _timed_step(trainer, batch)
-                times.append(seconds)
-                losses.append(loss)
-                time.sleep(settings.settle_s)
-                if i >= settings.warmup_steps:  # the reference's turn next to each measured step
-                    ref_seconds, _ = _timed_step(reference, batches[ref_cursor % steps])
-                    ref_cursor += 1
-                    ref_turn_times.append(ref_seconds)
-                    time.sleep(settings.settle_s)
-            after = _stats_snapshot(trainer)
-            report = trainer.report()
-            state_bad = bench.state_mismatches(trainer.state_dict(), ref_state)
-            measured = times[settings.warmup_steps:]
-            n = settings.measured_steps
-            median, ref_median = bench.median(measured), bench.median(ref_turn_times)
-            sim = simulate(trainer, batches[0], unplanned, budget_bytes=budget_bytes, plan_time=settings.plan_time)
-            peak = report["peak_device_bytes"]
-            row.update(
-                status="ok",
-                budget_bytes=budget_bytes,
-                budget_over_baseline_peak=budget_bytes / baseline_peak,
-                baseline_peak_bytes=baseline_peak,
-                peak_device_bytes=peak,
-                within_budget=peak <= budget_bytes,
-                simulated_peak_bytes=prepared.trace.peak_device_bytes,  # graph_passes.ir.memory's replay
-                blocks=len(prepared.program.blocks),
-                base_blocks=len(prepared.base_program.blocks) if prepared.base_program is not None else None,
-                passes=report["passes"],
-                swaps_planned=plan.swap_count if plan is not None else 0,
-                host_state_tensors=len(plan.host_state) if plan is not None else 0,
-                setup_s=setup_s,
-                plan_time_s=report0["plan_time_s"],
-                first_step_s=times[0],  # includes creating the block sessions
-                median_step_s=median,
-                step_times_s=measured,
-                ref_median_step_s=ref_median,
-                ref_step_times_s=ref_turn_times,
-                ratio=median / ref_median,  # > 1: slower than the unplanned trainer
-                swap_out_bytes_per_step=(after["swap_out_bytes"] - before["swap_out_bytes"]) / n,
-                swap_in_bytes_per_step=(after["swap_in_bytes"] - before["swap_in_bytes"]) / n,
-                stall_s_per_step=(after["stall_s"] - before["stall_s"]) / n,
-                faults=report["faults"],  # over every step, warm-up included
-                faults_measured=after["faults"] - before["faults"],
-                prefetch_hits_per_step=(after["prefetch_hits"] - before["prefetch_hits"]) / n,
-                swap_ins_per_step=(after["swap_ins"] - before["swap_ins"]) / n,
-                losses=losses,
-                losses_bitwise_equal=bench.bitwise_equal(losses, ref_losses),
-                max_loss_abs_diff=float(np.max(np.abs(np.subtract(losses, ref_losses)))),
-                state_bitwise_equal=not state_bad,
-                state_mismatches=state_bad[:10],
-                simulated=sim,
-            )
-            rows.append(row)
-            del trainer, prepared
-            gc.collect()
-
-        cfg = spec.config
-        control = next((r for r in rows if r["budget"] == "1.0x" and r["status"] == "ok"), None)
-        result = {
-            "name": name,
-            "config": config,
-            "config_fields": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else str(cfg),
-            "batch": int(batches[0][0].shape[0]),
-            "seq": spec.default_seq,
-            "parameters": int(sum(p.numel() for p in spec.model.parameters())),
-            "graph_nodes": len(export.graph.graph.node),
-            "export_s": export_s,
-            "baseline_peak_bytes": baseline_peak,
-            "min_budget_bytes": minimum,
-            "min_probe_s": min_probe_s,
-            "reference": {
-                "setup_s": ref_setup_s,
-                "blocks": len(unplanned.program.blocks),
-                "peak_device_bytes": ref_report["peak_device_bytes"],
-                "first_step_s": ref_times[0],
-                "median_step_s": bench.median(ref_times[settings.warmup_steps:]),
-                "step_times_s": ref_times[settings.warmup_steps:],
-                "losses": ref_losses,
-            },
-            "rows": rows,
-            # The 1.0x row runs the same unplanned program as the reference: if it is not bitwise
-            # equal, the unplanned run itself is not run-to-run deterministic on this machine and
-            # the other rows' bitwise flags cannot tell a swap error from that noise.
-            "unplanned_deterministic": None if control is None
-            else bool(control["losses_bitwise_equal"] and control["state_bitwise_equal"]),
-            "total_time_s": time.perf_counter() - started,
-        }
+        rows = [_budget_row(trainers, reference, batches, name, config, budget_label, minimum.bytes, settings, log)
+                for budget_label in settings.budgets]
+        result = _model_result(name, config, spec, batches, export, export_s, reference, minimum, rows, settings)
+        result["total_time_s"] = time.perf_counter() - started
         del reference
         gc.collect()
     return result
+
+
+class _CachedTrainers:
+    """Trainers of one model at any budget, all from the export cache the benchmark filled."""
+
+    def __init__(self, spec, cache_dir: str, common: dict[str, Any]) -> None:
+        self.spec, self.cache_dir, self.common = spec, cache_dir, common
+        self.cached_files = sorted(os.listdir(cache_dir))
+
+    def __call__(self, budget):
+        import ort_offload
+
+        device = ort_offload.set_offload_device("cpu", budget=budget)
+        trainer = ort_offload.create_ort_trainer(device, self.spec.model, cache_dir=self.cache_dir, **self.common)
+        if sorted(os.listdir(self.cache_dir)) != self.cached_files:
+            raise RuntimeError("create_ort_trainer exported again instead of hitting the export cache")
+        return trainer
+
+
+class _Reference:
+    """The unplanned trainer: its run over the batches (the losses and state every row is
+    compared with), then turns next to the rows' measured steps (timing only)."""
+
+    def __init__(self, trainers: _CachedTrainers, batches: list[tuple]) -> None:
+        self.trainer, self.setup_s = bench.timed(lambda: trainers(None))
+        self.unplanned = self.trainer.runner.last_prepared
+        self.baseline_peak = self.trainer.runner.baseline_peak_bytes
+        self.batches = batches
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.cursor = 0  # the reference keeps training on the same batches, cycled (timing only)
+        self.state: dict[str, Any] = {}  # after train()
+        self.report: dict[str, Any] = {}
+
+    def train(self) -> None:
+        for batch in self.batches:
+            seconds, loss = _timed_step(self.trainer, batch)
+            self.times.append(seconds)
+            self.losses.append(loss)
+        self.state = self.trainer.state_dict()
+        self.report = self.trainer.report()
+
+    def turn(self) -> float:
+        """Seconds of one more step, on the next batch."""
+        seconds, _ = _timed_step(self.trainer, self.batches[self.cursor % len(self.batches)])
+        self.cursor += 1
+        return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Minimum:
+    bytes: int  # the least budget any plan fits
+    probe_s: float
+
+
+def _probe_minimum(trainers: _CachedTrainers, label: str, log: Callable[[str], None]) -> _Minimum:
+    """The minimum budget, from the error a one-byte budget raises."""
+    from ort_offload.errors import BudgetTooSmallError
+
+    log(f"{label}: probing the minimum budget (budget {PROBE_BUDGET} byte)")
+    probe_start = time.perf_counter()
+    try:
+        trainers(PROBE_BUDGET)
+    except BudgetTooSmallError as e:
+        minimum = int(e.needed_bytes)
+    else:
+        raise RuntimeError(f"a budget of {PROBE_BUDGET} byte planned; expected BudgetTooSmallError")
+    return _Minimum(minimum, time.perf_counter() - probe_start)
+
+
+def _budget_row(trainers: _CachedTrainers, reference: _Reference, batches: list[tuple], name: str, config: str,
+                budget_label, minimum: int, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    """One budget's row: plan, then the steps interleaved with the reference's turns."""
+    from ort_offload.errors import BudgetTooSmallError
+
+    label = f"{name}-{config}"
+    budget = minimum if budget_label == MINIMUM else budget_label
+    log(f"{label} @ {budget_label}: planning")
+    row: dict[str, Any] = {"model": name, "config": config, "budget": budget_label}
+    try:
+        trainer, setup_s = bench.timed(lambda: trainers(budget))
+    except BudgetTooSmallError as e:  # reported, not hidden: the row shows why
+        row.update(status="budget_too_small", error=str(e), needed_bytes=e.needed_bytes)
+        return row
+    prepared = trainer.runner.last_prepared
+    report0 = trainer.report()
+    log(f"{label} @ {budget_label}: {len(prepared.program.blocks)} blocks, planned in "
+        f"{report0['plan_time_s']:.2f} s; {len(batches)} steps interleaved with the reference")
+    steps = _interleaved_steps(trainer, reference, batches, settings)
+    row.update(_row_fields(trainer, prepared, reference, steps, batches, report0, setup_s, settings))
+    del trainer, prepared
+    gc.collect()
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class _InterleavedSteps:
+    times: list[float]  # every step's seconds, warm-up included
+    losses: list[float]
+    ref_turn_times: list[float]  # the reference's turn next to each measured step
+    before: dict[str, float]  # runtime stats when the measured steps start
+    after: dict[str, float]
+
+
+def _interleaved_steps(trainer, reference: _Reference, batches: list[tuple], settings: Settings) -> _InterleavedSteps:
+    times, losses, ref_turn_times = [], [], []
+    before = None
+    for i, batch in enumerate(batches):
+        if i == settings.warmup_steps:
+            before = _stats_snapshot(trainer)
+        seconds, loss = _timed_step(trainer, batch)
+        times.append(seconds)
+        losses.append(loss)
+        time.sleep(settings.settle_s)
+        if i >= settings.warmup_steps:  # the reference's turn next to each measured step
+            ref_turn_times.append(reference.turn())
+            time.sleep(settings.settle_s)
+    return _InterleavedSteps(times, losses, ref_turn_times, before, _stats_snapshot(trainer))
+
+
+def _row_fields(trainer, prepared, reference: _Reference, steps: _InterleavedSteps, batches: list[tuple],
+                report0: dict[str, Any], setup_s: float, settings: Settings) -> dict[str, Any]:
+    """An ``ok`` row: the plan, the measured steps against the reference's, the runtime's
+    swap counters, equality with the reference, and the simulated GPU rows."""
+    plan = prepared.swap_plan
+    budget_bytes = int(trainer.runtime.budget_bytes)
+    report = trainer.report()
+    state_bad = bench.state_mismatches(trainer.state_dict(), reference.state)
+    measured = steps.times[settings.warmup_steps:]
+    n = settings.measured_steps
+    before, after = steps.before, steps.after
+    median, ref_median = bench.median(measured), bench.median(steps.ref_turn_times)
+    sim = simulate(trainer, batches[0], reference.unplanned, budget_bytes=budget_bytes, plan_time=settings.plan_time)
+    peak = report["peak_device_bytes"]
+    baseline_peak = reference.baseline_peak
+    return dict(
+        status="ok",
+        budget_bytes=budget_bytes,
+        budget_over_baseline_peak=budget_bytes / baseline_peak,
+        baseline_peak_bytes=baseline_peak,
+        peak_device_bytes=peak,
+        within_budget=peak <= budget_bytes,
+        simulated_peak_bytes=prepared.trace.peak_device_bytes,  # graph_passes.ir.memory's replay
+        blocks=len(prepared.program.blocks),
+        base_blocks=len(prepared.base_program.blocks) if prepared.base_program is not None else None,
+        passes=report["passes"],
+        swaps_planned=plan.swap_count if plan is not None else 0,
+        host_state_tensors=len(plan.host_state) if plan is not None else 0,
+        setup_s=setup_s,
+        plan_time_s=report0["plan_time_s"],
+        first_step_s=steps.times[0],  # includes creating the block sessions
+        median_step_s=median,
+        step_times_s=measured,
+        ref_median_step_s=ref_median,
+        ref_step_times_s=steps.ref_turn_times,
+        ratio=median / ref_median,  # > 1: slower than the unplanned trainer
+        swap_out_bytes_per_step=(after["swap_out_bytes"] - before["swap_out_bytes"]) / n,
+        swap_in_bytes_per_step=(after["swap_in_bytes"] - before["swap_in_bytes"]) / n,
+        stall_s_per_step=(after["stall_s"] - before["stall_s"]) / n,
+        faults=report["faults"],  # over every step, warm-up included
+        faults_measured=after["faults"] - before["faults"],
+        prefetch_hits_per_step=(after["prefetch_hits"] - before["prefetch_hits"]) / n,
+        swap_ins_per_step=(after["swap_ins"] - before["swap_ins"]) / n,
+        losses=steps.losses,
+        losses_bitwise_equal=bench.bitwise_equal(steps.losses, reference.losses),
+        max_loss_abs_diff=float(np.max(np.abs(np.subtract(steps.losses, reference.losses)))),
+        state_bitwise_equal=not state_bad,
+        state_mismatches=state_bad[:10],
+        simulated=sim,
+    )
+
+
+def _model_result(name: str, config: str, spec, batches: list[tuple], export, export_s: float,
+                  reference: _Reference, minimum: _Minimum, rows: list[dict], settings: Settings) -> dict[str, Any]:
+    """The model's result document, without its total time."""
+    cfg = spec.config
+    control = next((r for r in rows if r["budget"] == "1.0x" and r["status"] == "ok"), None)
+    return {
+        "name": name,
+        "config": config,
+        "config_fields": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else str(cfg),
+        "batch": int(batches[0][0].shape[0]),
+        "seq": spec.default_seq,
+        "parameters": int(sum(p.numel() for p in spec.model.parameters())),
+        "graph_nodes": len(export.graph.graph.node),
+        "export_s": export_s,
+        "baseline_peak_bytes": reference.baseline_peak,
+        "min_budget_bytes": minimum.bytes,
+        "min_probe_s": minimum.probe_s,
+        "reference": {
+            "setup_s": reference.setup_s,
+            "blocks": len(reference.unplanned.program.blocks),
+            "peak_device_bytes": reference.report["peak_device_bytes"],
+            "first_step_s": reference.times[0],
+            "median_step_s": bench.median(reference.times[settings.warmup_steps:]),
+            "step_times_s": reference.times[settings.warmup_steps:],
+            "losses": reference.losses,
+        },
+        "rows": rows,
+        # The 1.0x row runs the same unplanned program as the reference: if it is not bitwise
+        # equal, the unplanned run itself is not run-to-run deterministic on this machine and
+        # the other rows' bitwise flags cannot tell a swap error from that noise.
+        "unplanned_deterministic": None if control is None
+        else bool(control["losses_bitwise_equal"] and control["state_bitwise_equal"]),
+    }
 
 
 def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:

@@ -172,7 +172,8 @@ def simulate_time(
     duplex: frozenset[int] = frozenset()
     seen = {duplex}
     for _ in range(MAX_DUPLEX_ROUNDS):
-        trace, overlapping = _replay(program, infos, block_times, profile, budget, alignment, duplex)
+        result = _replay(program, infos, block_times, profile, budget, alignment, duplex)
+        trace, overlapping = result.trace, result.overlapping
         if overlapping in seen:
             break
         seen.add(overlapping)
@@ -184,114 +185,148 @@ def simulate_time(
     return trace
 
 
-def _replay(program, infos, block_times, profile, budget, alignment, duplex: frozenset[int]):
-    """One replay with the copies of the steps in ``duplex`` at the duplex rate; returns the
-    trace and the steps whose copies overlap a copy in the other direction."""
+@dataclasses.dataclass(frozen=True)
+class _ReplayResult:
+    """One replay's trace, and the steps whose copies overlap a copy in the other direction."""
 
-    def size(name: str) -> int:
-        return align_up(infos[name].nbytes, alignment)
+    trace: TimeTrace
+    overlapping: frozenset[int]
 
-    resident = set(program.state_inputs)
-    arena = _Arena(sum(size(n) for n in resident), budget)
-    streams = {name: _Stream(name) for name in (COMPUTE, H2D, D2H)}
-    compute, h2d, d2h = streams[COMPUTE], streams[H2D], streams[D2H]
-    events: list[Event] = []
-    copies: dict[str, list[tuple[float, float, int]]] = {H2D: [], D2H: []}  # (start, end, step)
-    ready_at: dict[str, float] = {}  # device bytes valid (load, swap-in, producing block done)
-    last_use_end: dict[str, float] = {}  # the last block that read or produced it has finished
-    on_host_at: dict[str, float] = {}  # the host copy exists (state kept on the host: from 0)
-    cursor = 0.0  # the host's issue time
-    stall = 0.0
-    end_of_all = 0.0
 
-    def copy(stream: _Stream, direction: str, earliest: float, nbytes: int, label: str) -> float:
+def _replay(program, infos, block_times, profile, budget, alignment, duplex: frozenset[int]) -> _ReplayResult:
+    """One replay with the copies of the steps in ``duplex`` at the duplex rate."""
+    replay = _Replay(program, infos, block_times, profile, budget, alignment, duplex)
+    handlers = (
+        (Load, replay.load), (RunBlock, replay.run_block), (SwapOut, replay.swap_out),
+        (SwapIn, replay.swap_in), (Fetch, replay.fetch), (Commit, replay.commit),
+    )
+    for index, step in enumerate(program.steps):
+        handler = next((run for kind, run in handlers if isinstance(step, kind)), None)
+        if handler is None:
+            raise TypeError(f"unknown program step {step!r}")
+        replay.index = index
+        handler(step)
+    return _ReplayResult(replay.trace(), _overlapping(replay.copies[H2D], replay.copies[D2H]))
+
+
+class _Replay:
+    """The state of one replay: the arena, the three streams, when each value is ready, last
+    used and on the host, and the host's issue cursor; one method per program step kind."""
+
+    def __init__(self, program, infos, block_times, profile, budget, alignment, duplex: frozenset[int]) -> None:
+        self.program, self.infos, self.block_times = program, infos, block_times
+        self.profile, self.budget, self.alignment, self.duplex = profile, budget, alignment, duplex
+        self.resident = set(program.state_inputs)
+        self.arena = _Arena(sum(self.size(n) for n in self.resident), budget)
+        self.streams = {name: _Stream(name) for name in (COMPUTE, H2D, D2H)}
+        self.compute, self.h2d, self.d2h = self.streams[COMPUTE], self.streams[H2D], self.streams[D2H]
+        self.events: list[Event] = []
+        self.copies: dict[str, list[tuple[float, float, int]]] = {H2D: [], D2H: []}  # (start, end, step)
+        self.ready_at: dict[str, float] = {}  # device bytes valid (load, swap-in, producing block done)
+        self.last_use_end: dict[str, float] = {}  # the last block that read or produced it has finished
+        self.on_host_at: dict[str, float] = {}  # the host copy exists (state kept on the host: from 0)
+        self.cursor = 0.0  # the host's issue time
+        self.stall = 0.0
+        self.end_of_all = 0.0
+        self.index = 0  # the step being replayed
+
+    def size(self, name: str) -> int:
+        return align_up(self.infos[name].nbytes, self.alignment)
+
+    def copy(self, stream: _Stream, direction: str, earliest: float, nbytes: int, label: str) -> float:
         start = max(earliest, stream.free_at)
-        end = stream.add(start, transfer_time(nbytes, profile, direction, concurrent=index in duplex))
-        events.append(Event(stream.name, label, start, end, nbytes))
+        end = stream.add(start, transfer_time(nbytes, self.profile, direction, concurrent=self.index in self.duplex))
+        self.events.append(Event(stream.name, label, start, end, nbytes))
         if end > start:
-            copies[stream.name].append((start, end, index))
+            self.copies[stream.name].append((start, end, self.index))
         return end
 
-    def settled(name: str) -> float:
-        return max(ready_at.get(name, 0.0), last_use_end.get(name, 0.0))
+    def settled(self, name: str) -> float:
+        return max(self.ready_at.get(name, 0.0), self.last_use_end.get(name, 0.0))
 
-    for index, step in enumerate(program.steps):
-        if isinstance(step, Load):
-            cursor = arena.allocate(cursor, size(step.name))
-            end = copy(h2d, "h2d", cursor, infos[step.name].nbytes, f"load {step.name}")
-            ready_at[step.name] = last_use_end[step.name] = end
-            resident.add(step.name)
-        elif isinstance(step, RunBlock):
-            block = program.blocks[step.block]
-            missing = [n for n in block.inputs if n not in resident]
-            if missing:
-                raise ValueError(f"block {step.block} reads {missing[0]!r}, which the program has not made resident")
-            earliest = max([cursor, compute.free_at] + [ready_at.get(n, 0.0) for n in block.inputs])
-            start = arena.allocate(earliest, sum(size(n) for n in step.allocates) + block.workspace_bytes)
-            stall += start - compute.free_at
-            cursor = start
-            end = compute.add(start, block_times[step.block])
-            events.append(Event(COMPUTE, f"block {step.block}", start, end))
-            for name in block.inputs:
-                last_use_end[name] = end
-            for name in step.allocates:
-                ready_at[name] = last_use_end[name] = end
-                resident.add(name)
-            arena.release(end, block.workspace_bytes + sum(size(n) for n in step.frees))
-            resident.difference_update(step.frees)
-        elif isinstance(step, SwapOut):
-            if step.name not in resident:
-                raise ValueError(f"swap-out of {step.name!r}, which is not resident")
-            ready = max(cursor, settled(step.name))
-            if step.copy:
-                end = copy(d2h, "d2h", ready, infos[step.name].nbytes, f"swap out {step.name}")
-                on_host_at[step.name] = end
-            else:
-                end = ready
-                events.append(Event(DROP, f"drop {step.name}", end, end))
-                on_host_at.setdefault(step.name, 0.0)
-            arena.release(end, size(step.name))
-            resident.discard(step.name)
-        elif isinstance(step, SwapIn):
-            if step.name in resident:
-                raise ValueError(f"swap-in of {step.name!r}, which is resident already")
-            cursor = arena.allocate(cursor, size(step.name))
-            earliest = max(cursor, on_host_at.get(step.name, 0.0))
-            end = copy(h2d, "h2d", earliest, infos[step.name].nbytes, f"swap in {step.name}")
-            ready_at[step.name] = end
-            resident.add(step.name)
-        elif isinstance(step, Fetch):
-            end = copy(d2h, "d2h", max(cursor, settled(step.name)), infos[step.name].nbytes, f"fetch {step.name}")
-            if step.free:
-                arena.release(end, size(step.name))
-                resident.discard(step.name)
-        elif isinstance(step, Commit):
-            for updated, state in step.renames:
-                if state in resident:
-                    when = max(cursor, settled(state))
-                    arena.release(when, size(state))
-                    end_of_all = max(end_of_all, when)
-                    resident.discard(state)
-                if updated in resident:
-                    resident.discard(updated)
-                    resident.add(state)
+    def load(self, step: Load) -> None:
+        self.cursor = self.arena.allocate(self.cursor, self.size(step.name))
+        end = self.copy(self.h2d, "h2d", self.cursor, self.infos[step.name].nbytes, f"load {step.name}")
+        self.ready_at[step.name] = self.last_use_end[step.name] = end
+        self.resident.add(step.name)
+
+    def run_block(self, step: RunBlock) -> None:
+        block = self.program.blocks[step.block]
+        missing = [n for n in block.inputs if n not in self.resident]
+        if missing:
+            raise ValueError(f"block {step.block} reads {missing[0]!r}, which the program has not made resident")
+        earliest = max([self.cursor, self.compute.free_at] + [self.ready_at.get(n, 0.0) for n in block.inputs])
+        start = self.arena.allocate(earliest, sum(self.size(n) for n in step.allocates) + block.workspace_bytes)
+        self.stall += start - self.compute.free_at
+        self.cursor = start
+        end = self.compute.add(start, self.block_times[step.block])
+        self.events.append(Event(COMPUTE, f"block {step.block}", start, end))
+        for name in block.inputs:
+            self.last_use_end[name] = end
+        for name in step.allocates:
+            self.ready_at[name] = self.last_use_end[name] = end
+            self.resident.add(name)
+        self.arena.release(end, block.workspace_bytes + sum(self.size(n) for n in step.frees))
+        self.resident.difference_update(step.frees)
+
+    def swap_out(self, step: SwapOut) -> None:
+        if step.name not in self.resident:
+            raise ValueError(f"swap-out of {step.name!r}, which is not resident")
+        ready = max(self.cursor, self.settled(step.name))
+        if step.copy:
+            end = self.copy(self.d2h, "d2h", ready, self.infos[step.name].nbytes, f"swap out {step.name}")
+            self.on_host_at[step.name] = end
         else:
-            raise TypeError(f"unknown program step {step!r}")
+            end = ready
+            self.events.append(Event(DROP, f"drop {step.name}", end, end))
+            self.on_host_at.setdefault(step.name, 0.0)
+        self.arena.release(end, self.size(step.name))
+        self.resident.discard(step.name)
 
-    compute_time = math.fsum(block_times[s.block] for s in program.steps if isinstance(s, RunBlock))
-    end_of_all = max([end_of_all, cursor] + [s.free_at for s in streams.values()] + [e.end_s for e in events])
-    events.sort(key=lambda e: (e.start_s, e.end_s))
-    trace = TimeTrace(
-        step_time_s=end_of_all,
-        compute_time_s=compute_time,
-        stall_time_s=stall,
-        d2h_busy_s=d2h.busy_s,
-        h2d_busy_s=h2d.busy_s,
-        peak_bytes=int(arena.peak),
-        events=tuple(events),
-        budget_bytes=budget,
-    )
-    return trace, _overlapping(copies[H2D], copies[D2H])
+    def swap_in(self, step: SwapIn) -> None:
+        if step.name in self.resident:
+            raise ValueError(f"swap-in of {step.name!r}, which is resident already")
+        self.cursor = self.arena.allocate(self.cursor, self.size(step.name))
+        earliest = max(self.cursor, self.on_host_at.get(step.name, 0.0))
+        end = self.copy(self.h2d, "h2d", earliest, self.infos[step.name].nbytes, f"swap in {step.name}")
+        self.ready_at[step.name] = end
+        self.resident.add(step.name)
+
+    def fetch(self, step: Fetch) -> None:
+        earliest = max(self.cursor, self.settled(step.name))
+        end = self.copy(self.d2h, "d2h", earliest, self.infos[step.name].nbytes, f"fetch {step.name}")
+        if step.free:
+            self.arena.release(end, self.size(step.name))
+            self.resident.discard(step.name)
+
+    def commit(self, step: Commit) -> None:
+        for updated, state in step.renames:
+            if state in self.resident:
+                when = max(self.cursor, self.settled(state))
+                self.arena.release(when, self.size(state))
+                self.end_of_all = max(self.end_of_all, when)
+                self.resident.discard(state)
+            if updated in self.resident:
+                self.resident.discard(updated)
+                self.resident.add(state)
+
+    def trace(self) -> TimeTrace:
+        """The trace of the steps replayed so far."""
+        steps = self.program.steps
+        compute_time = math.fsum(self.block_times[s.block] for s in steps if isinstance(s, RunBlock))
+        end_of_all = max([self.end_of_all, self.cursor] + [s.free_at for s in self.streams.values()]
+                         + [e.end_s for e in self.events])
+        self.events.sort(key=lambda e: (e.start_s, e.end_s))
+        return TimeTrace(
+            step_time_s=end_of_all,
+            compute_time_s=compute_time,
+            stall_time_s=self.stall,
+            d2h_busy_s=self.d2h.busy_s,
+            h2d_busy_s=self.h2d.busy_s,
+            peak_bytes=int(self.arena.peak),
+            events=tuple(self.events),
+            budget_bytes=self.budget,
+        )
 
 
 def _overlapping(a: list[tuple[float, float, int]], b: list[tuple[float, float, int]]) -> frozenset[int]:

@@ -181,34 +181,77 @@ def lower(
     :func:`graph_passes.planning.partition.fit_blocks`. Split views (see the module docstring) need
     piece boundaries on ``alignment``."""
     graph = model.graph
-    nodes = list(graph.node)
-    order = list(range(len(nodes))) if schedule is None else list(schedule)
+    order = list(range(len(graph.node))) if schedule is None else list(schedule)
     initializers = {t.name for t in graph.initializer}
     graph_inputs = [v.name for v in graph.input if v.name not in initializers]
+    seen = _lowering_nodes(model, infos, order, swap_points, alignment, io)
+    check_topological([seen.nodes[i] for i in order], set(graph_inputs) | initializers, [seen.io[i] for i in order])
+    outputs = [o.name for o in graph.output]
+    fetches = tuple(fetches if fetches is not None else [o for o in outputs if o not in state_pairs.values()])
+    state_inputs = tuple(n for n in graph_inputs if n not in set(data_inputs))
+
+    chunks = _block_chunks(model, seen, order, swap_points, extra_cuts, max_block_nodes)
+    live = _block_liveness(seen, order, chunks)
+    layout = _layout_blocks(seen, order, chunks, live, initializers, set(outputs), infos)
+    persistent = {n for n in state_inputs if n not in state_pairs}  # state nothing replaces
+    steps = _block_steps(layout, chunks, live, graph_inputs, data_inputs, set(outputs), persistent,
+                         swap_points, seen.io)
+    steps += _end_steps(swap_points, len(order), fetches, state_pairs)
+    renames = tuple((out, inp) for inp, out in state_pairs.items())
+    _check_state_updates(renames, infos)
+    if renames:
+        steps.append(Commit(renames))
+    host_state = tuple(swap_points.host_state) if swap_points else ()
+    return Program(
+        layout.blocks, tuple(steps), tuple(n for n in state_inputs if n not in host_state),
+        tuple(n for n in graph_inputs if n in set(data_inputs)), fetches, host_state,
+        tuple(seen.views[i] for i in sorted(seen.views, key=order.index)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoweringNodes:
+    """The nodes liveness and blocks see, with their reads and writes, and the split views.
+
+    With views, each view Split is nothing and its pieces are its input's producer's outputs
+    (the sessions still run the producer writing the whole value); ``graph`` then holds these
+    nodes (inputs and outputs kept)."""
+
+    nodes: list[onnx.NodeProto]
+    graph: onnx.GraphProto
+    io: Sequence[NodeIO]
+    views: dict[int, tuple[str, tuple[str, ...]]]
+
+
+def _lowering_nodes(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: Sequence[int],
+                    swap_points, alignment: int, io: Sequence[NodeIO] | None) -> _LoweringNodes:
+    """The nodes :func:`lower` works on: the model's, or their view surrogate when views apply."""
+    graph = model.graph
+    nodes = list(graph.node)
     views = {} if swap_points else split_views(model, infos, order, alignment)
     if views:
-        # Liveness and blocks see the view Split as nothing and its pieces as its input's
-        # producer's outputs; the sessions still run the producer writing the whole value.
         nodes, graph = _view_surrogate(graph, nodes, views)
         io = None
     if io is None:
         io = node_io(nodes)
     elif len(io) != len(nodes):
         raise ValueError(f"io describes {len(io)} nodes, the graph has {len(nodes)}")
-    check_topological([nodes[i] for i in order], set(graph_inputs) | initializers, [io[i] for i in order])
-    outputs = [o.name for o in graph.output]
-    output_set = set(outputs)
-    fetches = tuple(fetches if fetches is not None else [o for o in outputs if o not in state_pairs.values()])
-    state_inputs = tuple(n for n in graph_inputs if n not in set(data_inputs))
+    return _LoweringNodes(nodes, graph, io, views)
 
+
+def _block_chunks(model: onnx.ModelProto, seen: _LoweringNodes, order: Sequence[int], swap_points,
+                  extra_cuts: Sequence[int], max_block_nodes: int) -> list[tuple[int, ...]]:
+    """Schedule positions of each block: cut at swap points, at the caller's ``extra_cuts``,
+    around order-dependent nodes and before view Splits, then into chunks of at most
+    ``max_block_nodes``; view Splits (and what only they read) are in no block."""
     cuts = {k for k, _ in swap_points.before if 0 < k < len(order)} if swap_points else set()
     cuts |= set(extra_cuts)  # block boundaries chosen by the caller (schedule positions)
     view_positions = set()
-    skipped = _view_only(model, views)
+    skipped = _view_only(model, seen.views)
     for position, node_index in enumerate(order):
-        if is_order_dependent(nodes[node_index]):  # its own block, run single-threaded
+        if is_order_dependent(seen.nodes[node_index]):  # its own block, run single-threaded
             cuts |= {position, position + 1}
-        if node_index in views:  # the pieces cross into the arena
+        if node_index in seen.views:  # the pieces cross into the arena
             cuts.add(position)
         if node_index in skipped:
             view_positions.add(position)
@@ -218,25 +261,52 @@ def lower(
         chunks += [tuple(start + p for p in chunk) for chunk in partition(end - start, max_block_nodes)]
     if view_positions:  # view Splits run no kernel: in no block
         chunks = [c for c in (tuple(p for p in chunk if p not in view_positions) for chunk in chunks) if c]
+    return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockLiveness:
+    """Liveness at block granularity: the block of each value's birth and of its last use
+    (graph inputs at ``INPUT_POSITION``; graph outputs live past the last block)."""
+
+    producer_block: dict[str, int]
+    last_block: dict[str, int]
+
+
+def _block_liveness(seen: _LoweringNodes, order: Sequence[int], chunks: Sequence[tuple[int, ...]]) -> _BlockLiveness:
     block_of_position = {}
     for b, chunk in enumerate(chunks):
         for position in chunk:
             block_of_position[position] = b
 
-    # Liveness at block granularity: the block of each value's birth and of its last use
-    # (graph outputs live past the last block).
     def block_at(position: int) -> int:
         return INPUT_POSITION if position < 0 else block_of_position.get(position, len(chunks))
 
-    birth, last_use = positions(graph, order, io)
-    producer_block = {n: block_at(p) for n, p in birth.items()}
-    last_block = {n: block_at(p) for n, p in last_use.items()}
+    birth, last_use = positions(seen.graph, order, seen.io)
+    return _BlockLiveness(
+        producer_block={n: block_at(p) for n, p in birth.items()},
+        last_block={n: block_at(p) for n, p in last_use.items()},
+    )
 
-    whole_of = {piece: whole for whole, pieces in views.values() for piece in pieces}
-    arena_outputs: list[tuple[str, ...]] = []  # per block: what it allocates (pieces for views)
+
+@dataclasses.dataclass(frozen=True)
+class _BlockLayout:
+    """The blocks, and per block what it allocates in the arena (the pieces, for views)."""
+
+    blocks: tuple[Block, ...]
+    allocates: tuple[tuple[str, ...], ...]
+
+
+def _layout_blocks(seen: _LoweringNodes, order: Sequence[int], chunks: Sequence[tuple[int, ...]],
+                   live: _BlockLiveness, initializers: set[str], output_set: set[str],
+                   infos: Mapping[str, TensorInfo]) -> _BlockLayout:
+    """One :class:`Block` per chunk: what it reads from the arena, what it leaves there (read by a
+    later block or a graph output), and its workspace."""
+    whole_of = {piece: whole for whole, pieces in seen.views.values() for piece in pieces}
+    arena_outputs: list[tuple[str, ...]] = []
     blocks = []
     for b, chunk in enumerate(chunks):
-        block_io = [io[order[p]] for p in chunk]
+        block_io = [seen.io[order[p]] for p in chunk]
         produced = [o for entry in block_io for o in entry.outputs]
         produced_set = set(produced)
         inputs = {}  # an ordered set
@@ -244,7 +314,7 @@ def lower(
             for name in entry.reads:
                 if name not in produced_set and name not in initializers:
                     inputs[name] = None
-        outs = [o for o in produced if o in output_set or last_block[o] > b]
+        outs = [o for o in produced if o in output_set or live.last_block[o] > b]
         arena_outputs.append(tuple(outs))
         blocks.append(
             Block(
@@ -255,55 +325,64 @@ def lower(
                 workspace_bytes=_workspace_bytes(block_io, set(outs), infos),
             )
         )
+    return _BlockLayout(tuple(blocks), tuple(arena_outputs))
 
-    persistent = {n for n in state_inputs if n not in state_pairs}  # state nothing replaces
+
+def _block_steps(layout: _BlockLayout, chunks: Sequence[tuple[int, ...]], live: _BlockLiveness,
+                 graph_inputs: Sequence[str], data_inputs: Sequence[str], output_set: set[str],
+                 persistent: set[str], swap_points, io: Sequence[NodeIO]) -> list[Step]:
+    """Loads of the batch, then per block its swaps and its run, freeing what it read last
+    (inputs no block reads are freed with the first block)."""
     steps: list[Step] = [Load(n) for n in graph_inputs if n in set(data_inputs)]
     dead_after_load = [
-        n for n in graph_inputs if last_block[n] == INPUT_POSITION and n not in output_set and n not in persistent
+        n for n in graph_inputs
+        if live.last_block[n] == INPUT_POSITION and n not in output_set and n not in persistent
     ]
     frees_by_block: dict[int, list[str]] = {}
-    for name, b in last_block.items():
-        resident = producer_block[name] < b  # crossed a block boundary, so it lives in the arena
+    for name, b in live.last_block.items():
+        resident = live.producer_block[name] < b  # crossed a block boundary, so it lives in the arena
         if b >= 0 and resident and name not in output_set and name not in persistent:
             frees_by_block.setdefault(b, []).append(name)
     swaps_at = dict(swap_points.before) if swap_points else {}
     first_run = True
     rank = _stable_order(graph_inputs, io)
-    for block, chunk in zip(blocks, chunks):
+    for block, chunk in zip(layout.blocks, chunks):
         steps.extend(swaps_at.get(chunk[0], ()))
         frees = tuple(sorted(frees_by_block.get(block.index, []), key=rank))
         if first_run:
             frees = tuple(dead_after_load) + frees
             first_run = False
-        steps.append(RunBlock(block.index, arena_outputs[block.index], frees))
-    # Swaps after the last node: swap-ins serve the fetches, swap-outs move the final state.
-    # Resident outputs are fetched first (each fetch frees its bytes), then the swaps run in
-    # the plan's order with each output fetched as soon as it is back: never more bytes at
-    # once than the order the plan was checked in (outputs swapped out and back, e.g. the
-    # gradients of a graph without an optimizer, arrive one at a time).
-    at_end = swaps_at.get(len(order), ())
+        steps.append(RunBlock(block.index, layout.allocates[block.index], frees))
+    return steps
+
+
+def _end_steps(swap_points, end: int, fetches: Sequence[str], state_pairs: Mapping[str, str]) -> list[Step]:
+    """Fetches and the swaps after the last node (``end``, a schedule position).
+
+    Swap-ins serve the fetches, swap-outs move the final state. Resident outputs are fetched
+    first (each fetch frees its bytes), then the swaps run in the plan's order with each output
+    fetched as soon as it is back: never more bytes at once than the order the plan was checked
+    in (outputs swapped out and back, e.g. the gradients of a graph without an optimizer, arrive
+    one at a time)."""
+    at_end = dict(swap_points.before).get(end, ()) if swap_points else ()
     brought_back = {s.name for s in at_end if isinstance(s, SwapIn)}
     fetch_set = set(fetches)
-    steps.extend(Fetch(n, free=n not in state_pairs.values()) for n in fetches if n not in brought_back)
+    steps: list[Step] = [Fetch(n, free=n not in state_pairs.values()) for n in fetches if n not in brought_back]
     for swap in at_end:
         steps.append(swap)
         if isinstance(swap, SwapIn) and swap.name in fetch_set:
             steps.append(Fetch(swap.name, free=swap.name not in state_pairs.values()))
-    renames = tuple((out, inp) for inp, out in state_pairs.items())
+    return steps
+
+
+def _check_state_updates(renames: Sequence[tuple[str, str]], infos: Mapping[str, TensorInfo]) -> None:
+    """Each updated state must have its input's dtype and shape (the commit renames in place)."""
     for out, inp in renames:
         if infos[out].dtype != infos[inp].dtype or infos[out].shape != infos[inp].shape:
             raise UnsupportedGraphError(
                 f"state {inp!r} is {infos[inp]} but its update {out!r} is {infos[out]}: "
                 "a training step must keep each state tensor's dtype and shape"
             )
-    if renames:
-        steps.append(Commit(renames))
-    host_state = tuple(swap_points.host_state) if swap_points else ()
-    return Program(
-        tuple(blocks), tuple(steps), tuple(n for n in state_inputs if n not in host_state),
-        tuple(n for n in graph_inputs if n in set(data_inputs)), fetches, host_state,
-        tuple(views[i] for i in sorted(views, key=order.index)),
-    )
 
 
 def split_views(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], order: Sequence[int],

@@ -41,24 +41,31 @@ def updates_early(
     unless a moved node pulls them. Order-dependent nodes (and what reads them) never move."""
     nodes = list(model.graph.node)
     order = list(range(len(nodes))) if schedule is None else list(schedule)
-    rank = {node: position for position, node in enumerate(order)}
     producer = {name: index for index, node in enumerate(nodes) for name in node.output if name}
     targets = list(spine)
+    # Nodes the spine depends on keep their order, and so do pinned nodes (the movable nodes
+    # a pinned one reads go right before it, at the latest).
+    keep = ancestor_nodes(nodes, targets, producer) | _pinned(nodes, order, producer)
+    movable = [index for index in order if index not in keep]
+    if not movable:
+        return None
+    result = _interleave(nodes, order, keep, movable, producer)
+    return result if result != order else None
 
-    # Order-dependent nodes and their dependents stay where the schedule puts them.
+
+def _pinned(nodes: Sequence[onnx.NodeProto], order: Sequence[int], producer: Mapping[str, int]) -> set[int]:
+    """Order-dependent nodes and their dependents: they stay where the schedule puts them."""
     pinned: set[int] = set()
     for index in order:
         node = nodes[index]
         if is_order_dependent(node) or any(producer.get(n) in pinned for n in consumed_names(node)):
             pinned.add(index)
-    # Nodes the spine depends on keep their order, and so do pinned nodes (the movable nodes
-    # a pinned one reads go right before it, at the latest).
-    keep = ancestor_nodes(nodes, targets, producer) | pinned
-    movable = [index for index in order if index not in keep]
-    if not movable:
-        return None
+    return pinned
 
-    # For each movable node: the kept nodes it waits for, directly or through movable ones.
+
+def _kept_frontier(nodes: Sequence[onnx.NodeProto], movable: Sequence[int], keep: set[int],
+                   producer: Mapping[str, int]) -> dict[int, frozenset[int]]:
+    """For each movable node: the kept nodes it waits for, directly or through movable ones."""
     frontier: dict[int, frozenset[int]] = {}
     for index in movable:  # `order` is topological, so inputs come first
         waits: set[int] = set()
@@ -71,45 +78,62 @@ def updates_early(
             else:
                 waits |= frontier[p]
         frontier[index] = frozenset(waits)
+    return frontier
 
+
+def _interleave(nodes: Sequence[onnx.NodeProto], order: Sequence[int], keep: set[int], movable: Sequence[int],
+                producer: Mapping[str, int]) -> list[int]:
+    """The kept nodes in ``order``, each movable node placed right after the last kept node it
+    waits for (with its movable ancestors), the rest at the end."""
+    frontier = _kept_frontier(nodes, movable, keep, producer)
     waiting_on: dict[int, list[int]] = {}
     remaining: dict[int, int] = {}
     for index in movable:
         remaining[index] = len(frontier[index])
         for p in frontier[index]:
             waiting_on.setdefault(p, []).append(index)
-
-    result: list[int] = []
-    placed: set[int] = set()
-
-    def place_with_ancestors(index: int) -> None:
-        group, stack = [], [index]
-        while stack:
-            k = stack.pop()
-            if k in placed or k in group:
-                continue
-            group.append(k)
-            stack.extend(p for n in consumed_names(nodes[k]) if (p := producer.get(n)) is not None and p not in keep)
-        group.sort(key=rank.__getitem__)
-        result.extend(group)
-        placed.update(group)
-
+    placer = _Placer(nodes, order, keep, producer)
     for index in order:
         if index not in keep:
             continue
         for name in consumed_names(nodes[index]):
             p = producer.get(name)
-            if p is not None and p not in keep and p not in placed:
-                place_with_ancestors(p)  # only a pinned node reads a movable one
-        result.append(index)
+            if p is not None and p not in keep and p not in placer.placed:
+                placer.place_with_ancestors(p)  # only a pinned node reads a movable one
+        placer.result.append(index)
         ready = [k for k in waiting_on.get(index, ()) if _done(remaining, k)]
-        for k in sorted(ready, key=rank.__getitem__):
-            if k not in placed:
-                place_with_ancestors(k)
+        for k in sorted(ready, key=placer.rank.__getitem__):
+            if k not in placer.placed:
+                placer.place_with_ancestors(k)
     for index in movable:  # what waits on nothing: at its own place relative to the end
-        if index not in placed:
-            place_with_ancestors(index)
-    return result if result != order else None
+        if index not in placer.placed:
+            placer.place_with_ancestors(index)
+    return placer.result
+
+
+class _Placer:
+    """The schedule being built: a movable node goes in with its unplaced movable ancestors,
+    in their original relative order."""
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto], order: Sequence[int], keep: set[int],
+                 producer: Mapping[str, int]) -> None:
+        self.nodes, self.keep, self.producer = nodes, keep, producer
+        self.rank = {node: position for position, node in enumerate(order)}
+        self.result: list[int] = []
+        self.placed: set[int] = set()
+
+    def place_with_ancestors(self, index: int) -> None:
+        group, stack = [], [index]
+        while stack:
+            k = stack.pop()
+            if k in self.placed or k in group:
+                continue
+            group.append(k)
+            stack.extend(p for n in consumed_names(self.nodes[k])
+                         if (p := self.producer.get(n)) is not None and p not in self.keep)
+        group.sort(key=self.rank.__getitem__)
+        self.result.extend(group)
+        self.placed.update(group)
 
 
 def updates_start(

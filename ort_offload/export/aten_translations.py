@@ -49,6 +49,7 @@ optimizer removes them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -274,20 +275,24 @@ def _conv_grad_weight(
     return _swap01(result, rank)
 
 
-def convolution_backward(
-    grad_output: TensorType,
-    input: TensorType,
-    weight: TensorType,
-    bias_sizes: Optional[Sequence[int]],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    transposed: bool,
-    output_padding: Sequence[int],
-    groups: int,
-    output_mask: Sequence[bool],
-):
-    """convolution_backward(Tensor grad_output, Tensor input, Tensor weight, SymInt[]? bias_sizes, int[] stride, SymInt[] padding, int[] dilation, bool transposed, SymInt[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"""
+@dataclasses.dataclass(frozen=True)
+class _ConvGeometry:
+    """A convolution's static geometry, one entry per spatial dim."""
+
+    rank: int  # of the weight (and the batched input)
+    kernel: list[int]
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    groups: int
+
+    @property
+    def nsp(self) -> int:
+        return self.rank - 2
+
+
+def _conv_geometry(input, weight, stride, padding, dilation, groups) -> _ConvGeometry:
+    """Check and normalise convolution_backward's geometry arguments."""
     rank = _rank(weight)
     nsp = rank - 2
     if nsp < 1:
@@ -305,32 +310,56 @@ def convolution_backward(
     groups = int(groups)
     if groups < 1:
         raise ValueError(f"convolution_backward: groups={groups}")
+    return _ConvGeometry(rank, kernel, stride, padding, dilation, groups)
+
+
+def _conv_transpose_grad_input(grad_output, input, weight, geo: _ConvGeometry):
+    """y = ConvTranspose(x, w)  =>  dx = Conv(dy, w) (exactly the adjoint geometry), cropped to
+    the input's spatial size."""
+    grad_input = op.Conv(
+        grad_output,
+        weight,
+        strides=geo.stride,
+        pads=geo.padding * 2,
+        dilations=geo.dilation,
+        group=geo.groups,
+        kernel_shape=geo.kernel,
+    )
+    want = _static_dims(input, 2)
+    got = _static_dims(grad_output, 2)
+    if want is None or got is None:
+        return _slice_spatial(grad_input, op.Shape(input, start=2), geo.nsp)
+    got = [
+        (o + 2 * p - d * (k - 1) - 1) // s + 1
+        for o, p, d, k, s in zip(got, geo.padding, geo.dilation, geo.kernel, geo.stride)
+    ]
+    if got != want:
+        grad_input = _slice_spatial(grad_input, _ints_const(want), geo.nsp)
+    return grad_input
+
+
+def convolution_backward(
+    grad_output: TensorType,
+    input: TensorType,
+    weight: TensorType,
+    bias_sizes: Optional[Sequence[int]],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+):
+    """convolution_backward(Tensor grad_output, Tensor input, Tensor weight, SymInt[]? bias_sizes, int[] stride, SymInt[] padding, int[] dilation, bool transposed, SymInt[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"""
+    geo = _conv_geometry(input, weight, stride, padding, dilation, groups)
+    kernel, stride, padding, dilation, groups = geo.kernel, geo.stride, geo.padding, geo.dilation, geo.groups
     mask = [bool(m) for m in output_mask]
 
     grad_input = grad_weight = grad_bias = None
     if mask[0]:
         if transposed:
-            # y = ConvTranspose(x, w)  =>  dx = Conv(dy, w) (exactly the adjoint geometry).
-            grad_input = op.Conv(
-                grad_output,
-                weight,
-                strides=stride,
-                pads=padding * 2,
-                dilations=dilation,
-                group=groups,
-                kernel_shape=kernel,
-            )
-            want = _static_dims(input, 2)
-            got = _static_dims(grad_output, 2)
-            if want is None or got is None:
-                grad_input = _slice_spatial(grad_input, op.Shape(input, start=2), nsp)
-            else:
-                got = [
-                    (o + 2 * p - d * (k - 1) - 1) // s + 1
-                    for o, p, d, k, s in zip(got, padding, dilation, kernel, stride)
-                ]
-                if got != want:
-                    grad_input = _slice_spatial(grad_input, _ints_const(want), nsp)
+            grad_input = _conv_transpose_grad_input(grad_output, input, weight, geo)
         else:
             grad_input = _conv_grad_input(
                 grad_output, input, weight, kernel, stride, padding, dilation, groups
@@ -348,7 +377,7 @@ def convolution_backward(
             )
     if mask[2]:
         grad_bias = op.ReduceSum(
-            grad_output, _ints_const([0, *range(2, rank)]), keepdims=0
+            grad_output, _ints_const([0, *range(2, geo.rank)]), keepdims=0
         )
     return (
         grad_input if grad_input is not None else _unused_output(),

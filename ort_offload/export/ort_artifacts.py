@@ -17,6 +17,7 @@ any other build, loading an artifact graph fails with one clear :class:`Unsuppor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -64,8 +65,37 @@ def training_graph_from_artifact(
     Raises :class:`ModelLoadError` for an artifact file that is not the training model (the
     eval or optimizer model) or whose accumulators do not read gradients of graph inputs.
     """
-    graph = model.graph
-    accumulators = [n for n in graph.node if n.domain == ORT_DOMAIN and n.op_type in ACCUMULATOR_OPS]
+    accumulation = _read_accumulators(model.graph, name)
+    out = _without_accumulators(model, accumulation)
+    loss = next((v.name for v in model.graph.output if v.name not in accumulation.removed_outputs), None)
+    roles = _artifact_roles(out.graph, accumulation.grads, set(frozen_params), loss, name)
+    logger.info(
+        "loaded ORT training artifact %s: %d parameters with gradients, %d accumulators removed, batch inputs %s",
+        name, len(accumulation.grads), accumulation.count,
+        ", ".join(n for n in dict.fromkeys(v.name for v in model.graph.input) if roles.get(n) == Role.INPUT),
+    )
+    return TrainingGraph(model=out, roles=roles, state_pairs={}, name=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Accumulation:
+    """What the artifact's gradient accumulators read and write."""
+
+    grads: dict[str, str]  # parameter -> its gradient value
+    removed_inputs: frozenset[str]  # accumulation buffers, and lazy_reset_grad if only they read it
+    removed_outputs: frozenset[str]  # the accumulators' outputs
+    count: int  # accumulator nodes
+
+
+def _is_accumulator(node: onnx.NodeProto) -> bool:
+    return node.domain == ORT_DOMAIN and node.op_type in ACCUMULATOR_OPS
+
+
+def _read_accumulators(graph: onnx.GraphProto, name: str) -> _Accumulation:
+    """The gradients the accumulators read and the values that go with them; raises
+    :class:`ModelLoadError` for a graph without accumulators (eval or optimizer model) or with
+    one whose gradient is not of a graph input."""
+    accumulators = [n for n in graph.node if _is_accumulator(n)]
     if not accumulators:
         has_optimizer = any(n.domain == ORT_DOMAIN and n.op_type in OPTIMIZER_OPS for n in graph.node)
         what = "an optimizer graph" if has_optimizer else "no gradient accumulators (an eval or inference graph)"
@@ -73,12 +103,8 @@ def training_graph_from_artifact(
             f"{name} is {what}, not an ORT training graph: pass the training_model.onnx that "
             "generate_artifacts wrote"
         )
-    inputs = {v.name: v for v in graph.input}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for value in node.input:
-            consumers[value] = consumers.get(value, 0) + 1
-    grads: dict[str, str] = {}  # parameter -> its gradient value
+    inputs = {v.name for v in graph.input}
+    grads: dict[str, str] = {}
     removed_inputs: set[str] = set()
     removed_outputs: set[str] = set()
     for node in accumulators:
@@ -95,33 +121,47 @@ def training_graph_from_artifact(
         removed_inputs.add(buffer)
         removed_inputs.update(n for n in node.input[2:] if n)
         removed_outputs.update(o for o in node.output if o)
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for value in node.input:
+            consumers[value] = consumers.get(value, 0) + 1
     for value in sorted(removed_inputs):  # lazy_reset_grad etc. only when nothing else reads it
         if consumers.get(value, 0) > sum(value in n.input for n in accumulators):
             removed_inputs.discard(value)
+    return _Accumulation(grads, frozenset(removed_inputs), frozenset(removed_outputs), len(accumulators))
 
+
+def _without_accumulators(model: onnx.ModelProto, accumulation: _Accumulation) -> onnx.ModelProto:
+    """A copy of ``model`` without the accumulators and their inputs and outputs, with each
+    gradient an output (its parameter's type and shape)."""
+    inputs = {v.name: v for v in model.graph.input}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    kept_nodes = [n for n in g.node if not (n.domain == ORT_DOMAIN and n.op_type in ACCUMULATOR_OPS)]
+    kept_nodes = [n for n in g.node if not _is_accumulator(n)]
     del g.node[:]
     g.node.extend(kept_nodes)
-    kept_inputs = [v for v in g.input if v.name not in removed_inputs]
+    kept_inputs = [v for v in g.input if v.name not in accumulation.removed_inputs]
     del g.input[:]
     g.input.extend(kept_inputs)
-    kept_outputs = [v for v in g.output if v.name not in removed_outputs]
-    loss = kept_outputs[0].name if kept_outputs else None
+    kept_outputs = [v for v in g.output if v.name not in accumulation.removed_outputs]
     del g.output[:]
     g.output.extend(kept_outputs)
-    for param, grad in grads.items():  # a gradient has its parameter's type and shape
+    for param, grad in accumulation.grads.items():
         value = g.output.add()
         value.CopyFrom(inputs[param])
         value.name = grad
-    drop_info = removed_outputs | removed_inputs
-    kept_info = [v for v in g.value_info if v.name not in drop_info and v.name not in grads.values()]
+    drop_info = accumulation.removed_outputs | accumulation.removed_inputs
+    kept_info = [v for v in g.value_info if v.name not in drop_info and v.name not in accumulation.grads.values()]
     del g.value_info[:]
     g.value_info.extend(kept_info)
+    return out
 
-    frozen = set(frozen_params)
+
+def _artifact_roles(g: onnx.GraphProto, grads: dict[str, str], frozen: set[str], loss: str | None,
+                    name: str) -> dict[str, Role]:
+    """Parameters (trainable or ``frozen``) PARAM, other inputs INPUT, gradients GRAD, the
+    first remaining output LOSS, the rest ACTIVATION."""
     roles: dict[str, Role] = {}
     for value in g.input:
         roles[value.name] = Role.PARAM if value.name in grads or value.name in frozen else Role.INPUT
@@ -134,11 +174,7 @@ def training_graph_from_artifact(
     if loss is None:
         raise ModelLoadError(f"{name}: the training graph has no loss output")
     roles[loss] = Role.LOSS
-    logger.info(
-        "loaded ORT training artifact %s: %d parameters with gradients, %d accumulators removed, batch inputs %s",
-        name, len(grads), len(accumulators), ", ".join(n for n in inputs if roles.get(n) == Role.INPUT),
-    )
-    return TrainingGraph(model=out, roles=roles, state_pairs={}, name=name)
+    return roles
 
 
 def _param_of(buffer: str, grad: str) -> str:

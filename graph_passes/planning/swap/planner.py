@@ -113,14 +113,13 @@ class SwapPlanner:
         # The state on the host when a step starts must be what the previous step left there.
         host_start = forced
         for _ in range(MAX_STEADY_STATE_ROUNDS):
-            plan, host_end = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority)
-            if host_end == host_start:
-                return plan
-            if host_end < host_start:
+            once = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority)
+            if once.host_end == host_start:
+                return once.plan
+            if once.host_end < host_start:
                 break  # state that started on the host ended on the device: send it back
-            host_start = host_start | host_end  # grows monotonically, so this converges
-        plan, _ = _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority)
-        return plan
+            host_start = host_start | once.host_end  # grows monotonically, so this converges
+        return _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority).plan
 
 
 def _needs(program: Program, step) -> set[str]:
@@ -147,91 +146,136 @@ def _frees(step) -> tuple[str, ...]:
     return ()
 
 
-def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: frozenset = frozenset(), priority=None):
-    steps = program.steps
-    renames: dict[str, str] = {}
-    for step in steps:
-        if isinstance(step, Commit):
-            renames.update(dict(step.renames))  # updated output -> state input
-    uses: dict[str, list[int]] = {}
-    for i, step in enumerate(steps):
-        for name in _needs(program, step):
-            uses.setdefault(name, []).append(i)
-    horizon = len(steps)
+@dataclasses.dataclass(frozen=True)
+class _OnePlan:
+    """One eviction walk's plan, and the state on the host when its step ends."""
 
-    def next_use(name: str, after: int) -> float:
-        positions = uses.get(name, [])
+    plan: SwapPlan
+    host_end: frozenset[str]
+
+
+def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: frozenset = frozenset(),
+               priority=None) -> _OnePlan:
+    """One eviction walk over the steps, starting with ``host_start`` on the host and ending
+    with the state in ``force_end`` on the host."""
+    next_use = _NextUse(program)
+    walk = _EvictionWalk(program, sizes, host_start)
+    for i, step in enumerate(program.steps):
+        walk.step(i, step, capacity - _workspace(program, step), next_use, priority or {})
+    # What holds each state tensor when the step ends: its update, or itself if nothing replaces it.
+    holder = {state: updated for updated, state in next_use.renames.items()}
+    holder.update({n: n for n in program.state_inputs if n not in holder})
+    walk.send_to_host_at_end(holder, force_end)
+    host_end = frozenset(state for state, value in holder.items() if value not in walk.resident)
+    plan = SwapPlan(
+        before=tuple((i, tuple(swaps)) for i, swaps in sorted(walk.before.items())),
+        host_state=tuple(n for n in program.state_inputs if n in host_start),
+        capacity=capacity,
+        peak_in_use=walk.peak,
+        swap_out_bytes=walk.swapped_out,
+        swap_in_bytes=walk.swapped_in,
+    )
+    return _OnePlan(plan, host_end)
+
+
+class _NextUse:
+    """Belady's distance: the program step of a tensor's next use after a step; state (or its
+    update) is used again by the next training step, at ``len(steps)`` plus its first use."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.renames: dict[str, str] = {}  # updated output -> state input
+        for step in program.steps:
+            if isinstance(step, Commit):
+                self.renames.update(dict(step.renames))
+        self.uses: dict[str, list[int]] = {}
+        for i, step in enumerate(program.steps):
+            for name in _needs(program, step):
+                self.uses.setdefault(name, []).append(i)
+        self.horizon = len(program.steps)
+
+    def __call__(self, name: str, after: int) -> float:
+        positions = self.uses.get(name, [])
         k = bisect.bisect_right(positions, after)
         if k < len(positions):
             return positions[k]
-        state = renames.get(name, name if name in program.state_inputs else None)
-        if state is not None and uses.get(state):
-            return horizon + uses[state][0]  # used again next step
+        state = self.renames.get(name, name if name in self.program.state_inputs else None)
+        if state is not None and self.uses.get(state):
+            return self.horizon + self.uses[state][0]  # used again next step
         return float("inf")
 
-    resident = {n for n in program.state_inputs if n not in host_start}
-    on_host = set(host_start)
-    in_use = sum(sizes[n] for n in resident)
-    before: dict[int, list] = {}
-    peak = in_use
-    swapped_out = swapped_in = 0
-    for i, step in enumerate(steps):
-        needed = _needs(program, step)
+
+class _EvictionWalk:
+    """What the walk tracks: the resident tensors and their bytes, which tensors the host holds,
+    the swaps placed before each step, the peak and the bytes copied each way."""
+
+    def __init__(self, program: Program, sizes: Mapping[str, int], host_start: frozenset) -> None:
+        self.program, self.sizes = program, sizes
+        self.resident = {n for n in program.state_inputs if n not in host_start}
+        self.on_host = set(host_start)
+        self.in_use = sum(sizes[n] for n in self.resident)
+        self.before: dict[int, list] = {}
+        self.peak = self.in_use
+        self.swapped_out = self.swapped_in = 0
+
+    def step(self, i: int, step, limit: int, next_use: _NextUse, rank: Mapping[str, int]) -> None:
+        """Make room for step ``i`` within ``limit`` (the capacity less its workspace), bring
+        in what it needs, then account for what it allocates and frees."""
+        sizes = self.sizes
+        needed = _needs(self.program, step)
         allocs = _allocates(step)
-        ins = sorted(n for n in needed if n not in resident)
-        limit = capacity - _workspace(program, step)
-        demand = in_use + sum(sizes[n] for n in ins) + sum(sizes[n] for n in allocs)
+        ins = sorted(n for n in needed if n not in self.resident)
+        demand = self.in_use + sum(sizes[n] for n in ins) + sum(sizes[n] for n in allocs)
         outs = []
         if demand > limit:
             pinned = needed | set(allocs)
-            rank = priority or {}
-            candidates = sorted((n for n in resident if n not in pinned), key=lambda n: (rank.get(n, 0), -next_use(n, i), n))
-            for victim in candidates:
-                if demand <= limit:
-                    break
-                copy = victim not in on_host
-                outs.append(SwapOut(victim, copy=copy))
-                swapped_out += sizes[victim] if copy else 0
-                resident.discard(victim)
-                on_host.add(victim)
-                in_use -= sizes[victim]
-                demand -= sizes[victim]
+            candidates = sorted((n for n in self.resident if n not in pinned),
+                                key=lambda n: (rank.get(n, 0), -next_use(n, i), n))
+            outs = self._evict(candidates, demand, limit)
         for name in ins:
-            resident.add(name)
-            in_use += sizes[name]
-            swapped_in += sizes[name]
+            self.resident.add(name)
+            self.in_use += sizes[name]
+            self.swapped_in += sizes[name]
         if outs or ins:
-            before[i] = outs + [SwapIn(n) for n in ins]
+            self.before[i] = outs + [SwapIn(n) for n in ins]
         for name in allocs:
-            resident.add(name)
-            in_use += sizes[name]
-        peak = max(peak, in_use + _workspace(program, step))
+            self.resident.add(name)
+            self.in_use += sizes[name]
+        self.peak = max(self.peak, self.in_use + _workspace(self.program, step))
         for name in _frees(step):
-            resident.discard(name)
-            on_host.discard(name)
-            in_use -= sizes[name]
-    # What holds each state tensor when the step ends: its update, or itself if nothing replaces it.
-    holder = {state: updated for updated, state in renames.items()}
-    holder.update({n: n for n in program.state_inputs if n not in holder})
-    # State that must end on the host (to start the next step there) although it stayed resident.
-    extra = [SwapOut(holder[s], copy=holder[s] not in on_host) for s in sorted(force_end) if holder[s] in resident]
-    if extra:
+            self.resident.discard(name)
+            self.on_host.discard(name)
+            self.in_use -= sizes[name]
+
+    def _evict(self, candidates: list[str], demand: int, limit: int) -> list[SwapOut]:
+        """Swap out ``candidates`` in order until ``demand`` fits ``limit``."""
+        outs = []
+        for victim in candidates:
+            if demand <= limit:
+                break
+            copy = victim not in self.on_host
+            outs.append(SwapOut(victim, copy=copy))
+            self.swapped_out += self.sizes[victim] if copy else 0
+            self.resident.discard(victim)
+            self.on_host.add(victim)
+            self.in_use -= self.sizes[victim]
+            demand -= self.sizes[victim]
+        return outs
+
+    def send_to_host_at_end(self, holder: Mapping[str, str], force_end: frozenset) -> None:
+        """Swap out, before the commit, the state of ``force_end`` that stayed resident (so it
+        starts the next step on the host)."""
+        extra = [SwapOut(holder[s], copy=holder[s] not in self.on_host) for s in sorted(force_end)
+                 if holder[s] in self.resident]
+        if not extra:
+            return
+        steps = self.program.steps
         end = next((i for i, step in enumerate(steps) if isinstance(step, Commit)), len(steps))
-        before.setdefault(end, []).extend(extra)
+        self.before.setdefault(end, []).extend(extra)
         for swap in extra:
-            resident.discard(swap.name)
-            on_host.add(swap.name)
-            swapped_out += sizes[swap.name] if swap.copy else 0
-    host_end = frozenset(state for state, value in holder.items() if value not in resident)
-    plan = SwapPlan(
-        before=tuple((i, tuple(swaps)) for i, swaps in sorted(before.items())),
-        host_state=tuple(n for n in program.state_inputs if n in host_start),
-        capacity=capacity,
-        peak_in_use=peak,
-        swap_out_bytes=swapped_out,
-        swap_in_bytes=swapped_in,
-    )
-    return plan, host_end
+            self.resident.discard(swap.name)
+            self.on_host.add(swap.name)
+            self.swapped_out += self.sizes[swap.name] if swap.copy else 0
 
 
 def apply_swap_plan(program: Program, plan: SwapPlan) -> Program:
