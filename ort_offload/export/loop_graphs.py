@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from graph_passes.ir.training_graph import Role, TrainingGraph
 from ort_offload.export import optimizers
+from ort_offload.export.training_step import append_optimizer, checked_training_graph
 from ort_offload.errors import ExportError, InvalidArgumentError
 
 ACC_STATE = "grad_acc"
@@ -102,10 +102,8 @@ def _update_graph(base: TrainingGraph, config, accumulation_steps: int, clip: fl
                     b.const(1.0, dtype))
         final = {p: b.op("Mul", g, coef) for p, g in final.items()}
     grad_of = _swap_grad_outputs(graph, grads, final, roles)
-    from ort_offload.export.training_step import _append_optimizer
-
     trained = dict(pairs)
-    _append_optimizer(graph, config, grad_of, roles, pairs)
+    append_optimizer(graph, config, grad_of, roles, pairs)
     graph.outputs.append(norm)
     if sums:
         _gate_updates(graph, b, {s: u for s, u in pairs.items() if s not in trained}, sums, roles, pairs)
@@ -156,13 +154,5 @@ def _swap_grad_outputs(graph: ir.Graph, grads: dict, final: dict, roles: dict) -
 
 
 def _finish(model: ir.Model, roles: dict, pairs: dict, name: str) -> TrainingGraph:
-    proto = ir.to_proto(model)
-    for node in proto.graph.node:
-        for out in node.output:
-            if out and out not in roles:
-                roles[out] = Role.ACTIVATION
-    try:
-        onnx.checker.check_model(proto)
-    except onnx.checker.ValidationError as e:
-        raise ExportError(f"the accumulate/clip graph of {name} is not valid ONNX: {str(e).splitlines()[0]}") from e
-    return TrainingGraph(model=proto, roles=roles, state_pairs=pairs, name=name)
+    return checked_training_graph(ir.to_proto(model), roles, pairs, name,
+                                  what=f"the accumulate/clip graph of {name}")

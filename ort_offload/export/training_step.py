@@ -607,7 +607,7 @@ def _export_train(ep, wrapper, batch, batch_names, axes, optimizer, name, phase=
     _match_state_shapes(graph, pairs)
     if optimizer is not None:
         phase(f"appending the {type(optimizer).__name__} update")
-        _append_optimizer(graph, optimizer, grad_of, roles, pairs)
+        append_optimizer(graph, optimizer, grad_of, roles, pairs)
     return _finish(ir_model, roles, pairs, name, dict(zip(batch_names, axes)), use)
 
 
@@ -753,7 +753,9 @@ def _match_state_shapes(graph: ir.Graph, pairs: Mapping[str, str]) -> None:
         graph.outputs[position] = reshape.outputs[0]
 
 
-def _append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs: dict) -> None:
+def append_optimizer(graph: ir.Graph, config, grad_of: dict, roles: dict, pairs: dict) -> None:
+    """Append ``config``'s update of every parameter in ``grad_of`` (its gradient) to ``graph``, with
+    the new state as outputs paired with the old (``pairs``) and their roles."""
     values = {v.name: v for v in graph.inputs}
     grads = {v.name: v for v in graph.outputs if v.name in grad_of}
     scalar_f = ir.TensorType(ir.DataType.FLOAT)
@@ -792,6 +794,12 @@ def _finish(
     model.metadata_props.add(key=UNUSED_PARAMS_KEY, value=json.dumps(list(use.unused)))
     _name_dynamic_dims(model, axes)
     _seed_random_ops(model)
+    return checked_training_graph(model, roles, pairs, name, what=f"exported graph of {name}")
+
+
+def checked_training_graph(model: onnx.ModelProto, roles: dict, pairs: dict, name: str, *, what: str) -> TrainingGraph:
+    """``model`` as a training graph: every value without a role is an activation, and the model
+    passes ONNX's checker (else an ExportError naming ``what``)."""
     for node in model.graph.node:
         for out in node.output:
             if out and out not in roles:
@@ -799,7 +807,7 @@ def _finish(
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
-        raise ExportError(f"exported graph of {name} is not valid ONNX: {str(e).splitlines()[0]}") from e
+        raise ExportError(f"{what} is not valid ONNX: {str(e).splitlines()[0]}") from e
     return TrainingGraph(model=model, roles=roles, state_pairs=pairs, name=name)
 
 
