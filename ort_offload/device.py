@@ -39,7 +39,7 @@ def set_offload_device(
     recompute_policy: str = "input_aware",
     selective_recompute: bool = True,
     alignment: int | None = None,
-    release_block_workspace: bool = False,
+    release_block_workspace: bool | None = None,
     plan_time: float | None = None,
     plan_seed: int = 0,
 ) -> OffloadDevice:

@@ -337,8 +337,10 @@ class OrtTrainer:
         stats = self.runtime.stats
         train_times = self.runner.step_times_s
         budget = self.runtime.budget_bytes
-        # The device's own counter where it has one (CUDA), else the arena's accounting.
-        accounted = stats.peak_device_bytes if train_times else None
+        # The device's own counter where it has one (CUDA), else the arena's accounting (with
+        # what the block sessions hold for themselves on a device where they hold any).
+        session_bytes = self.runtime.backend.session_bytes
+        accounted = stats.peak_device_bytes + self.runner.session_count * session_bytes if train_times else None
         peak = stats.measured_device_bytes if stats.measured_device_bytes is not None else accounted
         overhead = self.runtime.backend.overhead_bytes if self.runtime.backend.used_bytes is not None else None
         recompute = self.runner.recompute.summary()
@@ -371,6 +373,9 @@ class OrtTrainer:
             "device_overhead_bytes": overhead,
         }
         assert tuple(report) == REPORT_KEYS
+        if overhead is not None:  # extension: what each block session holds (CUDA library handles)
+            report["block_sessions"] = self.runner.session_count
+            report["device_session_bytes"] = session_bytes
         if self.loop is not None:  # extension: the global gradient norm of each update
             report["grad_norms"] = list(self.grad_norms)
         return report

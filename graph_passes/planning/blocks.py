@@ -59,6 +59,9 @@ class PlanningTarget:
     plan_time: float = 0.0  # seconds of genetic swap search after the grid (0: grid only)
     updates_early: bool = True  # swap plans may move state updates into the backward
     plan_seed: int = 0
+    # Device memory each block's session holds while it exists (the CUDA EP's library
+    # handles): a plan of N blocks has N of them less budget for its tensors.
+    session_bytes: int = 0
 
     @property
     def blocks_fixed(self) -> bool:
@@ -75,8 +78,14 @@ class BlockLayouts:
         self._updates_cut_of: dict[int, tuple[onnx.ModelProto, int | None]] = {}  # id(model) -> (model, cut)
 
     def trace(self, program: Program, infos) -> MemoryTrace:
-        """``program`` replayed through the arena's allocator."""
-        return simulate_program(program, infos, alignment=self.target.alignment)
+        """``program`` replayed through the arena's allocator; its peak and minimum budget
+        include what its block sessions hold for themselves (``target.session_bytes`` each)."""
+        trace = simulate_program(program, infos, alignment=self.target.alignment)
+        sessions = len(program.blocks) * self.target.session_bytes
+        if not sessions:
+            return trace
+        return dataclasses.replace(trace, peak_device_bytes=trace.peak_device_bytes + sessions,
+                                   min_budget_bytes=trace.min_budget_bytes + sessions)
 
     def lower_program(self, model: onnx.ModelProto, infos, schedule, *, max_block_nodes: int, extra_cuts=()) -> Program:
         """``model`` (this graph, or a rewrite of it) lowered for these shapes."""

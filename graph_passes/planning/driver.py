@@ -328,6 +328,7 @@ class StepPlanner:
             # own plan, with evictions where memory needs them; only the block size is searched.
             search = SwapSearch(state_placements=(STATE_NONE,), early_swap_outs=False)
         result = search.search(programs, infos, budget=budget, alignment=target.alignment,
+                               session_bytes=target.session_bytes,
                                evaluate=lambda program: self.layouts.simulated_time(program, infos, model, budget))
         if result is None:
             return None, needed

@@ -126,6 +126,11 @@ class BlockSession:
         return self._slots.inputs if self._slots is not None else frozenset()
 
     @property
+    def variant_count(self) -> int:
+        """ORT sessions this block holds (one per distinct set of folded host-slot values)."""
+        return len(self._variants)
+
+    @property
     def session(self) -> ort.InferenceSession:
         """The (first) ORT session of this block."""
         return next(iter(self._variants.values())).session

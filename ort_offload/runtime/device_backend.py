@@ -21,13 +21,16 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any
 
 import onnxruntime as ort
 
 from ort_offload.runtime.copy_engine import CopyEngine
+from ort_offload.runtime.device_counter import PeakSampler
 from ort_offload.runtime.device_memory import DeviceMemory, NumpyMemory, TorchMemory
 from ort_offload.errors import UnknownDeviceError
+from graph_passes.formatting import format_bytes
 from ort_offload.runtime.streams import ImmediateStreams, StreamCopyEngine, Streams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class DeviceBackend:
     streams: Streams | None = None  # None: no device streams (the CPU device)
     overhead_bytes: int = 0  # device memory taken before anything of ours (CUDA context, handles)
     used_bytes: Any = None  # () -> device bytes the process uses now, less overhead; None: not measurable
+    counter: PeakSampler | None = None  # samples used_bytes while a step runs (CUDA)
+    session_bytes: int = 0  # device memory each block session holds for its own (library handles, CUDA)
     run_options: ort.RunOptions | None = None
     profile_name: str = "cpu"  # the device profile (graph_passes.cost.device_profiles) plans are timed on
 
@@ -142,9 +147,9 @@ def _share_cuda_arena(device_id: int, options: dict[str, str]) -> bool:
     return True
 
 
-def _warm_up(providers: list) -> None:
-    """Run one tiny MatMul on the CUDA EP, so the context and library handles exist before the
-    overhead is measured."""
+def _warm_up(providers: list):
+    """A session that ran one tiny MatMul on the CUDA EP (so the context, the libraries and
+    the session's own handles exist before memory is measured)."""
     import numpy as np
     import onnx
 
@@ -154,6 +159,7 @@ def _warm_up(providers: list) -> None:
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
     session = ort.InferenceSession(model.SerializeToString(), providers=providers)
     session.run(None, {"x": np.ones((8, 8), np.float32)})
+    return session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +171,9 @@ class _CudaEnvironment:
     streams: Any
     providers: list
     overhead_bytes: int
+    session_bytes: int
     profile_name: str
+    shared_arena: bool  # one ORT CUDA arena for every block session (see _share_cuda_arena)
 
 
 @functools.cache
@@ -174,17 +182,30 @@ def _cuda_environment(device_id: int) -> _CudaEnvironment:
 
     from ort_offload.runtime.streams import TorchCudaStreams
 
+    # Every ORT CUDA session keeps cuBLAS handles with their own workspace (about 33 MB each
+    # by cuBLAS's default on this GPU generation, 9 MB with 16 KiB x 8); with one session per
+    # block that is memory the budget must pay for. The small setting is also one of the two
+    # that make cuBLAS deterministic across streams.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     torch.cuda.init()
     streams = TorchCudaStreams(device_id)
     options = cuda_provider_options(device_id, streams.pointer(streams.compute))
     providers = [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
-    _share_cuda_arena(device_id, {k: v for k, v in options.items() if k != "user_compute_stream"})
-    _warm_up(providers)
+    shared = _share_cuda_arena(device_id, {k: v for k, v in options.items() if k != "user_compute_stream"})
+    first = _warm_up(providers)
     torch.cuda.synchronize(device_id)
-    return _CudaEnvironment(streams, providers, _process_device_bytes(device_id),
-                            gpu_profile_name(torch.cuda.get_device_name(device_id)))
+    with_one = _process_device_bytes(device_id)
+    second = _warm_up(providers)  # a second session: what each more session holds
+    torch.cuda.synchronize(device_id)
+    session_bytes = max(_process_device_bytes(device_id) - with_one, 0)
+    del first, second
+    torch.cuda.synchronize(device_id)
+    logger.info("CUDA device %d: %s before any tensor, %s per block session", device_id,
+                format_bytes(with_one - session_bytes), format_bytes(session_bytes))
+    return _CudaEnvironment(streams, providers, with_one - session_bytes, session_bytes,
+                            gpu_profile_name(torch.cuda.get_device_name(device_id)), shared)
 
 
 def _process_device_bytes(device_id: int) -> int:
@@ -195,10 +216,27 @@ def _process_device_bytes(device_id: int) -> int:
     return total - free
 
 
-def cuda_backend(device_id: int, *, release_block_workspace: bool = False) -> DeviceBackend:
+def cuda_facts(device_id: int) -> dict:
+    """What the CUDA environment measured and chose (for benchmarks and logs)."""
+    env = _cuda_environment(device_id)
+    return {"device_overhead_bytes": env.overhead_bytes, "device_session_bytes": env.session_bytes,
+            "shared_cuda_arena": env.shared_arena, "profile": env.profile_name,
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "ep_devices": _ep_device_names()}
+
+
+def _ep_device_names() -> list[str]:
+    try:
+        return [f"{d.ep_name}:{d.device.type}" for d in ort.get_ep_devices()]
+    except Exception as e:  # an onnxruntime without the plugin-EP API
+        return [f"unavailable ({type(e).__name__})"]
+
+
+def cuda_backend(device_id: int, *, release_block_workspace: bool = True) -> DeviceBackend:
     """The CUDA device's backend on GPU ``device_id`` (checked first)."""
     check_cuda(device_id)
     env = _cuda_environment(device_id)
+    used_bytes = lambda: _process_device_bytes(device_id) - env.overhead_bytes  # noqa: E731
     run_options = ort.RunOptions()
     # Blocks are queued on the compute stream back to back; the host waits only where it
     # reads device bytes (fetches, swap-out copies it keeps, checkpoints).
@@ -208,8 +246,8 @@ def cuda_backend(device_id: int, *, release_block_workspace: bool = False) -> De
     streams = env.streams
     return DeviceBackend(
         TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams), StreamCopyEngine("d2h", streams),
-        env.providers, streams=streams, overhead_bytes=env.overhead_bytes,
-        used_bytes=lambda: _process_device_bytes(device_id) - env.overhead_bytes,
+        env.providers, streams=streams, overhead_bytes=env.overhead_bytes, used_bytes=used_bytes,
+        counter=PeakSampler(used_bytes), session_bytes=env.session_bytes,
         run_options=run_options, profile_name=env.profile_name,
     )
 
@@ -225,5 +263,6 @@ def gpu_profile_name(device_name: str) -> str:
 def make_backend(device) -> DeviceBackend:
     """The backend of an :class:`~ort_offload.runtime.offload_device.OffloadDevice`."""
     if device.kind == "cuda":
-        return cuda_backend(device.device_id, release_block_workspace=device.release_block_workspace)
+        release = device.release_block_workspace if device.release_block_workspace is not None else True
+        return cuda_backend(device.device_id, release_block_workspace=release)
     return cpu_backend()

@@ -9,6 +9,7 @@ engines and providers come from its backend (:mod:`ort_offload.runtime.device_ba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -188,7 +189,8 @@ class GraphRunner:
         self.graph = graph
         self.fetches = fetches
         self.planner = planner or StepPlanner(planning_target(graph, runtime.device, fetches=fetches, passes=passes,
-                                                              profile=runtime.planning_profile))
+                                                              profile=runtime.planning_profile,
+                                                              session_bytes=runtime.backend.session_bytes))
         target = self.planner.target
         # The graph as it runs: its standard-op form where it carries swap nodes (they fix where
         # it swaps), order-dependent nodes scheduled last.
@@ -245,7 +247,8 @@ class GraphRunner:
     def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
         """What ``prepare`` does for a signature not seen before: plan, or say what budget would do."""
         plan = plan_or_raise(self.planner, input_infos, probe_feeds=probe_feeds,
-                             resolve_budget=self.runtime.resolve_budget)
+                             resolve_budget=self.runtime.resolve_budget,
+                             session_bytes=self.runtime.backend.session_bytes)
         choice = plan.choice
         return PreparedStep(signature, plan.infos, choice.program, choice.trace, choice.passes, choice.base,
                             choice.swap_plan, model=plan.model, recomputed_nodes=plan.recomputed_nodes,
@@ -280,9 +283,16 @@ class GraphRunner:
         """Every program prepared so far (one per input signature)."""
         return list(self._prepared.values())
 
-    def capacity_for(self, prepared: PreparedStep) -> int:
-        """Arena bytes for this program: the budget less the largest block workspace."""
+    def tensor_budget(self, prepared: PreparedStep) -> int | None:
+        """The budget less what the program's block sessions hold for themselves (None: unlimited)."""
         budget = self.runtime.budget_bytes
+        if budget is None:
+            return None
+        return budget - len(prepared.program.blocks) * self.runtime.backend.session_bytes
+
+    def capacity_for(self, prepared: PreparedStep) -> int:
+        """Arena bytes for this program: the budget (less its sessions' own bytes)."""
+        budget = self.tensor_budget(prepared)
         if budget is None:
             return max(prepared.trace.arena_high_water, self.runtime.arena.high_water if self.runtime.arena else 0, 1)
         return budget  # each block then caps the arena at the budget less its own workspace
@@ -318,6 +328,12 @@ class GraphRunner:
             self._sessions[key] = session
         return session
 
+    @property
+    def session_count(self) -> int:
+        """ONNX Runtime sessions the blocks hold now (a block has one per set of folded values)."""
+        unique = {id(session): session for session in self._sessions.values()}  # blocks may share one
+        return sum(session.variant_count for session in unique.values())
+
     def signature_values(self, prepared: PreparedStep) -> frozenset[str]:
         """Values of ``prepared``'s graph equal in every step of its signature."""
         model = prepared.model if prepared.model is not None else self.model
@@ -328,8 +344,14 @@ class GraphRunner:
 
     def run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         """Execute one step with batch tensors ``feeds``; returns the fetched outputs."""
-        with self.runtime.backend.on_compute_stream():  # device allocations and copies in stream order
-            return self._run(feeds, prepared)
+        backend = self.runtime.backend
+        counter = backend.counter.sampling() if backend.counter is not None else contextlib.nullcontext()
+        with backend.on_compute_stream(), counter:  # device allocations and copies in stream order
+            fetched = self._run(feeds, prepared)
+        if backend.counter is not None:  # the device's own counter, sampled while the step ran
+            stats = self.runtime.stats
+            stats.measured_device_bytes = max(stats.measured_device_bytes or 0, backend.counter.peak)
+        return fetched
 
     def _run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         runtime = self.runtime
@@ -361,7 +383,7 @@ class GraphRunner:
         runtime.stats.blocks_run += len(prepared.program.blocks)
         runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, execution.peak)
         self.step_times_s.append(time.perf_counter() - started)
-        if runtime.backend.used_bytes is not None:  # the device's counter: its arenas keep their high water
+        if runtime.backend.used_bytes is not None and runtime.backend.counter is None:  # the counter now
             measured = runtime.backend.used_bytes()
             runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
         return execution.fetched
@@ -400,7 +422,7 @@ class _StepExecution:
         self.feeds = feeds
         self.fetched: dict[str, np.ndarray] = {}
         self.peak = self.arena.allocator.high_water_live()  # arena extent + running workspace
-        self.budget = runner.runtime.budget_bytes
+        self.budget = runner.tensor_budget(prepared)
         self.drop_prefetches = runner.runtime.device.drop_prefetches
         self.copies = runner.runtime.copy_engine
         self.evictions = runner.runtime.evict_engine

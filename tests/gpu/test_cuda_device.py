@@ -15,7 +15,7 @@ if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cud
 import ort_offload  # noqa: E402
 from helpers import batches  # noqa: E402
 from models import get_model  # noqa: E402
-from ort_offload import optimizers  # noqa: E402
+from ort_offload.export import optimizers  # noqa: E402
 
 STEPS = 3
 

@@ -114,9 +114,13 @@ class SwapSearch:
         budget: int,
         evaluate: Callable[[Program], float],
         alignment: int = DEFAULT_ALIGNMENT,
+        session_bytes: int = 0,
     ) -> SwapSearchResult | None:
         """The fastest plan within ``budget`` over ``programs`` (the same graph lowered with
-        decreasing block sizes, largest first); ``None`` if none plans."""
+        decreasing block sizes, largest first); ``None`` if none plans. ``session_bytes``:
+        what each block's session holds apart from its tensors (taken from the budget per block,
+        so that smaller blocks stop paying off once their sessions cost the memory they free)."""
+        total_budget = budget
         sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
         best: SwapCandidate | None = None
         last_planned: Program | None = None
@@ -126,6 +130,9 @@ class SwapSearch:
             if tried >= self.max_block_sizes and not (self.while_improving and best is not None
                                                       and best.base_program is last_planned):
                 break
+            budget = total_budget - len(program.blocks) * session_bytes
+            if budget <= 0:
+                break  # smaller blocks only mean more sessions
             placements = self._placements(program, infos, alignment)
             planned_any = False
             for label, host_state in placements:

@@ -281,3 +281,78 @@ def test_finiteness_is_read_where_the_tensors_live(memory):
     arena.store("bad", np.array([1.0, np.inf], dtype=np.float32))
     arena.store("huge", np.full(4, 3e38, dtype=np.float32))  # the sum overflows; every element is finite
     assert arena.finite(["good", "bad", "huge"]) == [True, False, True]
+
+
+def test_the_peak_sampler_sees_a_value_held_only_while_the_step_runs():
+    import threading
+    import time
+
+    from ort_offload.runtime.device_counter import PeakSampler
+
+    level = {"bytes": 10}
+    sampler = PeakSampler(lambda: level["bytes"], interval_s=0.0002)
+    seen = threading.Event()
+    with sampler.sampling():
+        level["bytes"] = 500  # a block's workspace, given back before the step ends
+        deadline = time.perf_counter() + 2.0
+        while sampler.samples < 3 and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        seen.set()
+        level["bytes"] = 20
+    assert sampler.samples >= 3
+    assert sampler.peak == 500
+
+
+@contextlib.contextmanager
+def stream_path_with_sessions(session_bytes: int, device_bytes):
+    """The stream path with a device whose block sessions each hold ``session_bytes`` and whose
+    counter reads ``device_bytes()``."""
+    from ort_offload.runtime.device_counter import PeakSampler
+
+    def backend(device):
+        made = stream_backend()
+        made.session_bytes = session_bytes
+        made.used_bytes = device_bytes
+        made.counter = PeakSampler(device_bytes)
+        return made
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime_module, "make_backend", backend)
+        yield
+
+
+@pytest.mark.parametrize("passes,fraction", [("swap", "0.6x"), ("recompute", "0.75x")])
+def test_block_sessions_memory_is_taken_from_the_budget(passes, fraction):
+    """Each block session's own bytes (CUDA library handles) count against the budget: the plan
+    leaves room for them, the accounting adds them, and the numbers stay bitwise."""
+    options = {"async_swap_outs": True} if passes == "swap" else {"passes": "recompute"}
+    reference = train_ort("gpt", optimizer="adamw", steps=2, budget=fraction, **options)
+    budget = reference.trainer.runtime.budget_bytes
+    per_session = budget // 400  # about what a CUDA session holds beside a 4 GB budget
+    with stream_path_with_sessions(per_session, lambda: 0):
+        run = train_ort("gpt", optimizer="adamw", steps=2, budget=budget, **options)
+    report = run.trainer.report()
+    sessions = run.trainer.runner.session_count
+    assert sessions >= 1 and report["block_sessions"] == sessions
+    assert report["device_session_bytes"] == per_session
+    assert report["accounted_peak_bytes"] >= sessions * per_session
+    assert report["accounted_peak_bytes"] <= budget
+    assert run.losses == reference.losses
+
+
+def test_a_budget_the_block_sessions_fill_is_one_clear_error():
+    from ort_offload.errors import BudgetTooSmallError
+
+    reference = train_ort("gpt", optimizer="adamw", steps=1, budget="0.6x", async_swap_outs=True)
+    budget = reference.trainer.runtime.budget_bytes
+    with stream_path_with_sessions(budget, lambda: 0), pytest.raises(BudgetTooSmallError, match="raise the budget"):
+        train_ort("gpt", optimizer="adamw", steps=1, budget=budget, async_swap_outs=True)
+
+
+def test_the_device_counter_is_the_reported_peak_where_a_device_has_one():
+    readings = iter(range(1000, 10**9, 1000))
+    with stream_path_with_sessions(0, lambda: next(readings)):
+        run = train_ort("gpt", optimizer="adamw", steps=2)
+    report = run.trainer.report()
+    assert report["peak_device_bytes"] == run.trainer.runtime.backend.counter.peak
+    assert report["peak_device_bytes"] > 1000

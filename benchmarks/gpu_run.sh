@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The device run of the CUDA device's benchmark, on the lent GPU machine, in one call.
+#
+# Here first: `../shared/gpu/stage` (onnxruntime-gpu in parts, .gpu-stage/) and
+# `python -m benchmarks.gpu_ort export --graphs .gpu-graphs`. Then the parts' calls back to
+# back, the last one being (carry .gpu-stage's last part, install.sh, the checksum, .gpu-graphs):
+#
+#   bash benchmarks/gpu_run.sh PARTS [SECONDS] [gpu_ort run options...]
+#
+# It installs the staged wheels into /tmp/site, prints the GPU and ONNX Runtime's providers,
+# and runs `benchmarks.gpu_ort run` for SECONDS (default 300) writing under $OUT.
+set -u
+parts=${1:?number of staged parts}; seconds=${2:-300}; shift; [ $# -gt 0 ] && shift
+out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
+bash .gpu-stage/install.sh "$parts" || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+python3 -c "import onnxruntime as o; o.preload_dlls(); print('onnxruntime', o.__version__, o.get_available_providers())"
+set -o pipefail
+python3 -m benchmarks.gpu_ort run --graphs .gpu-graphs --time-limit "$seconds" --out "$out" "$@" 2>&1 \
+  | grep -v -E "Warning|warn\(" | tee "$out/gpu_ort.log"
