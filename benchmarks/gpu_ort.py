@@ -217,6 +217,7 @@ def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -
     extra = {
         "setup_s": setup_s, "blocks": len(prepared.program.blocks), "simulated_step_s": simulated,
         "arena_reserved_bytes": trainer.runtime.arena.reserved_bytes,
+        "planned_max_workspace_bytes": prepared.program.max_workspace_bytes,
         "step_times_s": list(trainer.runner.step_times_s),
     }
     state = trainer.state_dict()
