@@ -193,7 +193,8 @@ def _cuda_environment(device_id: int) -> _CudaEnvironment:
     streams = TorchCudaStreams(device_id)
     options = cuda_provider_options(device_id, streams.pointer(streams.compute))
     providers = [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
-    shared = _share_cuda_arena(device_id, {k: v for k, v in options.items() if k != "user_compute_stream"})
+    shared = os.environ.get("ORT_OFFLOAD_SHARED_CUDA_ARENA") != "0" and _share_cuda_arena(
+        device_id, {k: v for k, v in options.items() if k != "user_compute_stream"})
     first = _warm_up(providers)
     torch.cuda.synchronize(device_id)
     with_one = _process_device_bytes(device_id)
@@ -238,15 +239,19 @@ def cuda_backend(device_id: int, *, release_block_workspace: bool = True) -> Dev
     env = _cuda_environment(device_id)
     used_bytes = lambda: _process_device_bytes(device_id) - env.overhead_bytes  # noqa: E731
     run_options = ort.RunOptions()
-    # Blocks are queued on the compute stream back to back; the host waits only where it
-    # reads device bytes (fetches, swap-out copies it keeps, checkpoints).
-    run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    # ORT_OFFLOAD_CUDA_SYNC=1 (a diagnostic): every block run and copy is waited for as it is
+    # issued, so a result that changes with it points at a missing ordering between streams.
+    serialize = os.environ.get("ORT_OFFLOAD_CUDA_SYNC") == "1"
+    if not serialize:
+        # Blocks are queued on the compute stream back to back; the host waits only where it
+        # reads device bytes (fetches, swap-out copies it keeps, checkpoints).
+        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     if release_block_workspace:
         run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{device_id}")
     streams = env.streams
     return DeviceBackend(
-        TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams), StreamCopyEngine("d2h", streams),
-        env.providers, streams=streams, overhead_bytes=env.overhead_bytes, used_bytes=used_bytes,
+        TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams, serialize=serialize),
+        StreamCopyEngine("d2h", streams, serialize=serialize), env.providers, streams=streams, overhead_bytes=env.overhead_bytes, used_bytes=used_bytes,
         counter=PeakSampler(used_bytes), session_bytes=env.session_bytes,
         run_options=run_options, profile_name=env.profile_name,
     )

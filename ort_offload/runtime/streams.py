@@ -109,9 +109,12 @@ class TorchCudaStreams:
 class StreamCopyEngine:
     """A FIFO copy stream with a completion event per copy (one per direction)."""
 
-    def __init__(self, direction: str, streams: Streams) -> None:
+    def __init__(self, direction: str, streams: Streams, *, serialize: bool = False) -> None:
+        """``serialize``: the host waits for every copy as it is issued (a diagnostic: a run
+        that differs only without it has a missing ordering between streams)."""
         self.direction = direction
         self.streams = streams
+        self.serialize = serialize
         self.stream = streams.new_stream()
         self._pending: dict[str, Event] = {}
         # Copies the device may still be running, with what they read or write on the host:
@@ -133,6 +136,8 @@ class StreamCopyEngine:
         self._pending[name] = done
         self._in_flight = [(event, held) for event, held in self._in_flight if not event.query()]
         self._in_flight.append((done, copy))
+        if self.serialize:
+            done.synchronize()
 
     def in_flight(self, name: str) -> bool:
         return name in self._pending
