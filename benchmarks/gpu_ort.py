@@ -25,6 +25,7 @@ row, so a run cut short keeps what it measured). ``--time-limit`` skips rows onc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -196,7 +197,8 @@ class Row:
                 + (" sync" if self.sync else ""))
 
 
-def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -> tuple[dict, dict]:
+def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None,
+         block_memory: bool = False) -> tuple[dict, dict]:
     """Our trainer on the device: its report with extra figures, and its final state."""
     import os
 
@@ -214,9 +216,12 @@ def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -
         input_names=case.spec.input_names, target_names=case.spec.target_names, passes=resolve_passes(passes),
     )
     setup_s = time.perf_counter() - started
+    blocks = None
     for step in range(len(case.batches)):
         feeds = case.feeds(step)
-        trainer.step(*(feeds[n] for n in trainer.batch_names))
+        last = step == len(case.batches) - 1
+        with BlockMemory(trainer) if last and block_memory else contextlib.nullcontext() as blocks:
+            trainer.step(*(feeds[n] for n in trainer.batch_names))
     report = trainer.report()
     prepared = trainer.runner.prepared_steps()[0]
     model = prepared.model if prepared.model is not None else trainer.runner.model
@@ -227,7 +232,53 @@ def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None) -
         "planned_max_workspace_bytes": prepared.program.max_workspace_bytes,
         "step_times_s": list(trainer.runner.step_times_s),
     }
+    if blocks is not None:
+        extra["block_memory"] = blocks.rows(prepared.program)
     return {**report, **extra}, trainer.state_dict()
+
+
+class BlockMemory:
+    """The device counter per block during one step (a diagnostic of where device memory goes
+    beside what plans count): a thread samples it; each block's start is marked by the
+    runner's ``before_block`` hook. Rows: (block, planned workspace, arena bytes in use at its
+    start, counter at its start, counter's peak until the next block starts), counter figures
+    less the device's fixed overhead."""
+
+    def __init__(self, trainer, interval_s: float = 0.0002) -> None:
+        self.trainer, self.interval_s = trainer, interval_s
+        self.samples: list = []
+        self.starts: list = []
+
+    def __enter__(self):
+        import threading
+
+        read = self.trainer.runtime.backend.used_bytes or (lambda: 0)
+        self._read, self._stop = read, threading.Event()
+
+        def poll():
+            while not self._stop.wait(self.interval_s):
+                self.samples.append((time.perf_counter(), read()))
+
+        def mark(execution, block):
+            self.starts.append((time.perf_counter(), block, execution.arena.in_use, read()))
+
+        self.trainer.runner.before_block = mark
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.trainer.runner.before_block = None
+        self.starts.append((time.perf_counter(), None, 0, self._read()))
+
+    def rows(self, program) -> list:
+        out = []
+        for (start, block, in_use, at_start), (end, *_rest) in zip(self.starts, self.starts[1:]):
+            peak = max([at_start] + [v for t, v in self.samples if start <= t < end])
+            out.append([block, program.blocks[block].workspace_bytes, in_use, at_start, peak])
+        return out
 
 
 def state_differences(state: dict, reference: dict, top: int = 6) -> list:
@@ -263,7 +314,7 @@ def run_model(case: Case, args, out_path: Path) -> None:
             print(f"time limit reached: skipping {case.name} {label}", flush=True)
             continue
         try:
-            report, digests[label] = ours(case, args.device, row, args.planning_profile)
+            report, digests[label] = ours(case, args.device, row, args.planning_profile, args.block_memory)
         except Exception as e:  # a row that cannot run is a result too
             _emit(rows, out_path, {"model": case.name, "row": label, "error": _causes(e)})
             continue
@@ -368,6 +419,7 @@ def main(argv=None) -> int:
         run.add_argument("--time-limit", type=float, default=400.0, help="seconds; later rows are skipped")
         run.add_argument("--planning-profile", default=None, help="plan on this profile (default: the device's)")
         run.add_argument("--rows", default=None, help="our rows, e.g. 0.5x:swap,unlimited:none (default: ROWS)")
+        run.add_argument("--block-memory", action="store_true", help="the device counter per block of the last step")
         run.add_argument("--out", type=Path, default=Path("benchmarks/results") / time.strftime("%Y-%m-%d"))
     args = parser.parse_args(argv)
     if args.command == "export":
