@@ -49,6 +49,9 @@ class DeviceBackend:
     used_bytes: Any = None  # () -> device bytes the process uses now, less overhead; None: not measurable
     counter: PeakSampler | None = None  # samples used_bytes while a step runs (CUDA)
     session_bytes: int = 0  # device memory each block session holds for its own (library handles, CUDA)
+    # Whether ORT's scatter-add kernels here add colliding updates in a varying order (CUDA's
+    # atomics): the graph's scatter-adds are then planned and run as one-hot products.
+    scatters_race: bool = False
     run_options: ort.RunOptions | None = None
     profile_name: str = "cpu"  # the device profile (graph_passes.cost.device_profiles) plans are timed on
 
@@ -252,7 +255,7 @@ def cuda_backend(device_id: int, *, release_block_workspace: bool = True) -> Dev
     return DeviceBackend(
         TorchMemory(f"cuda:{device_id}"), StreamCopyEngine("h2d", streams, serialize=serialize),
         StreamCopyEngine("d2h", streams, serialize=serialize), env.providers, streams=streams, overhead_bytes=env.overhead_bytes, used_bytes=used_bytes,
-        counter=PeakSampler(used_bytes), session_bytes=env.session_bytes,
+        counter=PeakSampler(used_bytes), session_bytes=env.session_bytes, scatters_race=True,
         run_options=run_options, profile_name=env.profile_name,
     )
 

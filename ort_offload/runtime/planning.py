@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 from graph_passes.cost.device_profiles import DeviceProfile, get_profile
 from graph_passes.formatting import format_bytes
+from graph_passes.ir.deterministic import scatter_adds_as_matmuls
 from graph_passes.ir.memory import simulate_program
 from graph_passes.ir.program import order_dependent_last
 from graph_passes.ir.training_graph import TrainingGraph
@@ -24,16 +25,19 @@ from ort_offload.runtime.offload_device import OffloadDevice
 
 def planning_target(graph: TrainingGraph, device: OffloadDevice, *, fetches: Sequence[str] | None,
                     passes: Sequence[str], profile: Callable[[], DeviceProfile] | None = None,
-                    session_bytes: int = 0) -> PlanningTarget:
+                    session_bytes: int = 0, scatters_as_matmuls: bool = False) -> PlanningTarget:
     """``graph`` as the runtime runs it on ``device``. A graph that already carries swap nodes
     (from ``ort-offload transform``) runs its own swaps: its standard-op form is planned with
     the swaps fixed and no passes. Order-dependent nodes are scheduled last, in blocks of their
     own. ``profile``: the device profile plans are timed on (default: the device's planning
-    profile, else the CPU's)."""
+    profile, else the CPU's). ``scatters_as_matmuls``: scatter-adds become one-hot products,
+    for a device whose scatter kernels add in a varying order (CUDA)."""
     model, swap_points, passes = graph.model, None, tuple(passes)
     if has_swap_nodes(graph.model):
         model, swap_points = canonicalize(graph.model)
         passes = ()
+    if scatters_as_matmuls:  # a device whose scatter-add kernels race (graph_passes.ir.deterministic)
+        model = scatter_adds_as_matmuls(model).model
     if profile is None:
         profile = functools.cache(lambda: get_profile(device.planning_profile or "cpu"))
     return PlanningTarget(

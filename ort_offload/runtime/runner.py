@@ -190,7 +190,8 @@ class GraphRunner:
         self.fetches = fetches
         self.planner = planner or StepPlanner(planning_target(graph, runtime.device, fetches=fetches, passes=passes,
                                                               profile=runtime.planning_profile,
-                                                              session_bytes=runtime.backend.session_bytes))
+                                                              session_bytes=runtime.backend.session_bytes,
+                                                              scatters_as_matmuls=runtime.backend.scatters_race))
         target = self.planner.target
         # The graph as it runs: its standard-op form where it carries swap nodes (they fix where
         # it swaps), order-dependent nodes scheduled last.

@@ -356,3 +356,29 @@ def test_the_device_counter_is_the_reported_peak_where_a_device_has_one():
     report = run.trainer.report()
     assert report["peak_device_bytes"] == run.trainer.runtime.backend.counter.peak
     assert report["peak_device_bytes"] > 1000
+
+
+@contextlib.contextmanager
+def stream_path_with_racing_scatters():
+    """The stream path on a device whose scatter-adds race (CUDA): they run as one-hot products."""
+    def backend(device):
+        made = stream_backend()
+        made.scatters_race = True
+        return made
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime_module, "make_backend", backend)
+        yield
+
+
+def test_scatter_adds_run_as_one_hot_products_where_they_race_and_plans_stay_bitwise():
+    reference = train_ort("gpt", optimizer="adamw", steps=3)
+    with stream_path_with_racing_scatters():
+        unplanned = train_ort("gpt", optimizer="adamw", steps=3)
+        planned = train_ort("gpt", optimizer="adamw", steps=3, budget="0.5x", async_swap_outs=True)
+    ops = [n.op_type for n in unplanned.trainer.runner.model.graph.node]
+    assert "ScatterND" not in ops and "OneHot" in ops
+    assert planned.losses == unplanned.losses
+    for name, value in unplanned.state.items():
+        np.testing.assert_array_equal(planned.state[name], value, err_msg=name)
+    np.testing.assert_allclose(unplanned.losses, reference.losses, rtol=1e-6)
