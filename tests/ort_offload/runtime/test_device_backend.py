@@ -382,3 +382,18 @@ def test_scatter_adds_run_as_one_hot_products_where_they_race_and_plans_stay_bit
     for name, value in unplanned.state.items():
         np.testing.assert_array_equal(planned.state[name], value, err_msg=name)
     np.testing.assert_allclose(unplanned.losses, reference.losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shift", [1, 7, 100, 999])
+def test_an_overlapping_move_through_a_small_staging_buffer_keeps_every_byte(shift):
+    from ort_offload.runtime import device_memory
+
+    memory = TorchMemory("cpu")
+    buffer = memory.allocate(4096, 64)
+    values = np.random.default_rng(shift).integers(0, 256, 4096, dtype=np.uint8)
+    memory.write(buffer, 0, values)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device_memory, "MOVE_STAGING_BYTES", 64)  # many pieces
+        memory.move(buffer, 1000, 1000 - shift, 3000)
+    moved = memory.read(buffer, 1000 - shift, TensorInfo(np.dtype(np.uint8), (3000,)))
+    np.testing.assert_array_equal(moved, values[1000:4000])
