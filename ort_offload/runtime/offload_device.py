@@ -51,7 +51,8 @@ class OffloadDevice:
     # CUDA: every block session gives its ORT arena's free memory back to the device after
     # each run (ORT's arena shrinkage), so the device holds the running block's workspace
     # rather than every cached session's high-water mark; each block then pays cudaFree and
-    # cudaMalloc for its workspace. None: on (the budget holds on the device's counter only so).
+    # cudaMalloc for its workspace. None: on under a budget (which holds on the device's
+    # counter only so), off when unlimited.
     release_block_workspace: bool | None = None
     # Seconds the genetic swap search (graph_passes.planning.swap.ga) may spend improving the
     # grid's plan where copies overlap compute (GPU profiles); 0: the grid only (the default:
