@@ -127,7 +127,9 @@ def cuda_provider_options(device_id: int, stream_pointer: int | None) -> dict[st
     options = {
         "device_id": str(device_id),
         "arena_extend_strategy": "kSameAsRequested",
-        "cudnn_conv_algo_search": "HEURISTIC",
+        # ORT_OFFLOAD_CUDNN_CONV_ALGO_SEARCH=DEFAULT (a diagnostic): cuDNN's fixed algorithm
+        # (the conv blocks of cnn medium took 5.4 GB beyond their plan under HEURISTIC).
+        "cudnn_conv_algo_search": os.environ.get("ORT_OFFLOAD_CUDNN_CONV_ALGO_SEARCH", "HEURISTIC"),
         "cudnn_conv_use_max_workspace": "0",
         "use_tf32": "0",
         "do_copy_in_default_stream": "0",
