@@ -17,5 +17,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import onnxruntime as o; o.preload_dlls(); print('onnxruntime', o.__version__, o.get_available_providers())"
 set -o pipefail
-python3 -m benchmarks.gpu_ort run --graphs .gpu-graphs --time-limit "$seconds" --out "$out" "$@" 2>&1 \
-  | grep -v -E "Warning|warn\(" | tee "$out/gpu_ort.log"
+quiet() { grep -v -E "Warning|warn\(|plugin EP|F.linear"; }
+python3 -m benchmarks.gpu_ort run --graphs .gpu-graphs --time-limit "$seconds" --steps 4 --block-memory \
+  --out "$out" "$@" 2>&1 | quiet | tee "$out/gpu_ort.log"
+# The conv blocks' workspace with cuDNN's fixed algorithm instead of its heuristic choice.
+ORT_OFFLOAD_CUDNN_CONV_ALGO_SEARCH=DEFAULT python3 -m benchmarks.gpu_ort model --graphs .gpu-graphs \
+  --models cnn --steps 4 --block-memory --rows 0.5x:swap,unlimited:none --time-limit 90 \
+  --out "$out/cnn_default_algo" 2>&1 | quiet | tee -a "$out/gpu_ort.log"
