@@ -154,13 +154,14 @@ class StepPlanner:
         start = time.perf_counter()
         with self.layouts.memoized():  # lowerings and replays are the same at every budget
             floor = plan_at(1)
-            least, search = (None, None) if not isinstance(floor, Infeasible) else least_budget(
-                accepts, refused=1, estimate=floor.needed_bytes, alignment=self.target.alignment,
-                ceiling=floor.unplanned_bytes or infeasible.unplanned_bytes or floor.needed_bytes)
+            if not isinstance(floor, Infeasible):  # a graph with nothing to hold fits any budget
+                return floor
+            least, search = least_budget(accepts, refused=1, estimate=floor.needed_bytes, alignment=self.target.alignment,
+                                         ceiling=floor.unplanned_bytes or infeasible.unplanned_bytes or floor.needed_bytes)
         logger.info("least budget of %s with passes %s: %s searched in %d plans (%.2f s), estimated %s",
                     self.target.graph.name, ",".join(self.target.passes) or "none",
-                    "not found" if least is None else format_bytes(least), len(search.probes) if search else 1,
-                    time.perf_counter() - start, format_bytes(infeasible.needed_bytes))
+                    "not found" if least is None else format_bytes(least), len(search.probes),
+                    time.perf_counter() - start, format_bytes(floor.needed_bytes))
         if least is None:
             return infeasible
         if least <= infeasible.budget_bytes:

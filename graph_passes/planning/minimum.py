@@ -65,8 +65,7 @@ def least_budget(accepts: Callable[[int], int | None], *, refused: int, estimate
         lower = next((b for b in (int(high * f) for f in CHECK_BELOW) if 0 < b < high and search(b) is not None), None)
         if lower is None:
             return high, search
-        logger.info("the planner accepts %d bytes but refused %d above it: searching below", lower,
-                    search.refused_below(high))
+        logger.info("the planner accepts %d bytes, 1%% below the least budget found (%d): searching below", lower, high)
         high = lower
     return high, search
 
