@@ -9,6 +9,7 @@ starts from these layouts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
@@ -76,11 +77,36 @@ class BlockLayouts:
         self.target = target
         self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
         self._updates_cut_of: dict[int, tuple[onnx.ModelProto, int | None]] = {}  # id(model) -> (model, cut)
+        self._memo: dict | None = None  # while memoized(): lowerings and replays by the ids of what made them
+
+    @contextlib.contextmanager
+    def memoized(self):
+        """Within: each lowering and replay is made once and reused (they depend on the model,
+        infos, schedule and cuts, never on the budget: the least-budget search plans one
+        signature at many budgets). Models and infos are not edited once made."""
+        if self._memo is not None:
+            yield
+            return
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
+
+    def _memoized(self, key: tuple, pinned: tuple, make: Callable[[], object]):
+        """``make()``, or what it gave for ``key`` (ids of ``pinned``, held so the ids stay theirs)."""
+        if self._memo is None:
+            return make()
+        entry = self._memo.get(key)
+        if entry is None:
+            entry = self._memo[key] = (pinned, make())
+        return entry[1]
 
     def trace(self, program: Program, infos) -> MemoryTrace:
         """``program`` replayed through the arena's allocator; its peak and minimum budget
         include what its block sessions hold for themselves (``target.session_bytes`` each)."""
-        trace = simulate_program(program, infos, alignment=self.target.alignment)
+        trace = self._memoized(("trace", id(program), id(infos)), (program, infos),
+                               lambda: simulate_program(program, infos, alignment=self.target.alignment))
         sessions = len(program.blocks) * self.target.session_bytes
         if not sessions:
             return trace
@@ -90,12 +116,18 @@ class BlockLayouts:
     def lower_program(self, model: onnx.ModelProto, infos, schedule, *, max_block_nodes: int, extra_cuts=()) -> Program:
         """``model`` (this graph, or a rewrite of it) lowered for these shapes."""
         graph = self.target.graph
-        return lower(
-            model, infos, state_pairs=graph.state_pairs, data_inputs=graph.data_inputs,
-            fetches=self.target.fetches, max_block_nodes=max_block_nodes, schedule=schedule,
-            swap_points=self.target.swap_points, extra_cuts=extra_cuts, alignment=self.target.alignment,
-            io=self.node_io_of(model),
-        )
+
+        def make() -> Program:
+            return lower(
+                model, infos, state_pairs=graph.state_pairs, data_inputs=graph.data_inputs,
+                fetches=self.target.fetches, max_block_nodes=max_block_nodes, schedule=schedule,
+                swap_points=self.target.swap_points, extra_cuts=extra_cuts, alignment=self.target.alignment,
+                io=self.node_io_of(model),
+            )
+
+        key = ("lower", id(model), id(infos), None if schedule is None else tuple(schedule), max_block_nodes,
+               tuple(extra_cuts))
+        return self._memoized(key, (model, infos), make)
 
     def node_io_of(self, model: onnx.ModelProto):
         """The model's :func:`~graph_passes.ir.liveness.node_io`, read once per model. Keyed by

@@ -53,3 +53,4 @@ class Infeasible:
     budget_bytes: int
     passes: tuple[str, ...]
     bottleneck: str = ""  # where splitting stopped, when it was tried
+    unplanned_bytes: int = 0  # least budget of the graph with no pass applied (0: not known)

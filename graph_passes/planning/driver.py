@@ -5,7 +5,8 @@ block of their own; a recompute plan cached for a similar size; smaller blocks; 
 passes the caller allows — recompute (:mod:`~graph_passes.planning.recompute`), swap
 (:mod:`~graph_passes.planning.swap`), both (the faster in simulation wins), and split
 (:mod:`~graph_passes.planning.split`) where those cannot fit. It returns a :class:`StepPlan`, or
-:class:`~graph_passes.planning.choice.Infeasible` with the least budget any plan tried needs.
+:class:`~graph_passes.planning.choice.Infeasible` with the least budget a plan exists for, found by
+planning (:mod:`~graph_passes.planning.minimum`).
 Plans are timed on the target's device profile; nothing here runs the graph.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, Mapping
 
 import onnx
@@ -20,19 +22,19 @@ import onnx
 from graph_passes.cost.cost_model import AnalyticalCostModel
 from graph_passes.formatting import format_bytes
 from graph_passes.ir import shapes
-from graph_passes.ir.allocator import align_up
-from graph_passes.ir.memory import MemoryTrace
+from graph_passes.ir.allocator import OutOfArenaMemory, align_up
+from graph_passes.ir.memory import MemoryTrace, simulate_program
 from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
 from graph_passes.planning.choice import Infeasible, ProgramChoice, RewriteOutcome
+from graph_passes.planning.minimum import least_budget
 from graph_passes.planning.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.planning.partition import refine_blocks
 from graph_passes.planning.recompute.graph_pass import recomputed_infos
 from graph_passes.planning.recompute.signatures import RecomputePlanning
 from graph_passes.planning.schedule import training_spine, updates_early
-from graph_passes.planning.split.graph_pass import Cut, write_split_plan
-from graph_passes.planning.split.planner import Bottleneck, JointPlanner, split_node_count
+from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
 from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
@@ -66,9 +68,14 @@ class _Unplanned:
 class StepPlanner:
     """Plans one target's graph, per input signature (with what recompute learns across sizes)."""
 
-    def __init__(self, target: PlanningTarget, *, layouts: BlockLayouts | None = None) -> None:
-        """``layouts``: how the graph is lowered into blocks (default: :class:`BlockLayouts`)."""
+    def __init__(self, target: PlanningTarget, *, layouts: BlockLayouts | None = None,
+                 exact_minimum: bool = True) -> None:
+        """``layouts``: how the graph is lowered into blocks (default: :class:`BlockLayouts`);
+        ``exact_minimum``: where no plan fits, search the least budget that plans (else state
+        the least need of the plans tried)."""
         self.target = target
+        self.exact_minimum = exact_minimum
+        self.split_memo: SplitMemo | None = None  # shared by the planners of a least-budget search
         self.layouts = layouts or BlockLayouts(target)
         self.recompute = RecomputePlanning(self.layouts, policy=target.recompute_policy,
                                            selective=target.selective_recompute)
@@ -91,6 +98,13 @@ class StepPlanner:
         if callable(probe_feeds):
             probe_feeds = probe_feeds()
         infos = self.infer_infos(input_infos, probe_feeds=probe_feeds)
+        found = self._plan_at(input_infos, probe_feeds, infos, resolve_budget)
+        if isinstance(found, Infeasible) and self.exact_minimum:
+            found = self._least_budget(input_infos, probe_feeds, infos, found)
+        return found
+
+    def _plan_at(self, input_infos, probe_feeds, infos, resolve_budget) -> StepPlan | Infeasible:
+        """:meth:`plan` for inferred ``infos``; an Infeasible states the least need seen."""
         programs: list[Program] = []
         found, needed, unplanned = self._without_passes(infos, programs, resolve_budget)
         budget = unplanned.budget
@@ -100,17 +114,60 @@ class StepPlanner:
         if found is None and "split" in self.target.passes and budget is not None and self.target.swap_points is None:
             split = self._plan_split(input_infos, probe_feeds, infos, budget)
             if isinstance(split, Bottleneck):
-                # The minimum stated stays the one that plans without splits: the walk stops at
-                # the first op no split fits, so it cannot say what a split plan would need.
+                # The walk stops at the first op no split fits, so it cannot say what a split
+                # plan would need: the least budget is searched (_least_budget).
                 where = f"{split.op_type} {split.node!r}" if split.node else "a load or fetch"
                 bottleneck = f" (splitting stops at {where}: {split.reason})"
             else:
                 found = split
         if found is None:
-            return Infeasible(needed, budget, self.target.passes, bottleneck)
+            return Infeasible(needed, budget, self.target.passes, bottleneck, unplanned.need)
         if self._recompute_allowed and budget is not None:
             self.recompute.observe(infos, unplanned.need)
         return found
+
+    def _least_budget(self, input_infos, probe_feeds, infos, infeasible: Infeasible) -> StepPlan | Infeasible:
+        """The least budget this target's planner accepts for these shapes, searched
+        (:func:`graph_passes.planning.minimum.least_budget`) from a 1-byte budget up, so the
+        answer does not depend on the budget refused: ``infeasible`` stating it, or, where it
+        is at most that budget (plans are not monotone in the budget), the plan made for it,
+        which fits. Each budget is planned by a fresh planner, as a new run with that budget
+        plans it, and its plan is replayed under the budget."""
+        memo, plans = SplitMemo(), {}
+        # What one probe's recompute planning worked out (segments, rewritten graphs) the next reuses.
+        last = [RecomputePlanning(self.layouts, policy=self.target.recompute_policy,
+                                  selective=self.target.selective_recompute)]
+
+        def plan_at(budget: int) -> StepPlan | Infeasible:
+            probe = StepPlanner(self.target, layouts=self.layouts, exact_minimum=False)
+            probe.split_memo, probe.recompute = memo, last[0].sibling()
+            last[0] = probe.recompute
+            return probe._plan_at(input_infos, probe_feeds, infos, lambda _peak: budget)
+
+        def accepts(budget: int) -> int | None:
+            plan = plan_at(budget)
+            need = None if isinstance(plan, Infeasible) else replayed_need(plan, budget, self.target.alignment)
+            if need is not None:
+                plans[budget] = plan
+            return need
+
+        start = time.perf_counter()
+        with self.layouts.memoized():  # lowerings and replays are the same at every budget
+            floor = plan_at(1)
+            if not isinstance(floor, Infeasible):  # a graph with nothing to hold fits any budget
+                return floor
+            least, search = least_budget(accepts, refused=1, estimate=floor.needed_bytes, alignment=self.target.alignment,
+                                         ceiling=floor.unplanned_bytes or infeasible.unplanned_bytes or floor.needed_bytes)
+        logger.info("least budget of %s with passes %s: %s searched in %d plans (%.2f s), estimated %s",
+                    self.target.graph.name, ",".join(self.target.passes) or "none",
+                    "not found" if least is None else format_bytes(least), len(search.probes),
+                    time.perf_counter() - start, format_bytes(floor.needed_bytes))
+        if least is None:
+            return infeasible
+        if least <= infeasible.budget_bytes:
+            logger.info("the plan for %s fits the budget %s", format_bytes(least), format_bytes(infeasible.budget_bytes))
+            return plans[least]
+        return dataclasses.replace(infeasible, needed_bytes=least)
 
     def _without_passes(self, infos, programs: list[Program], resolve_budget):
         """The fewest blocks that fit without rewriting the graph (or a cached recompute plan):
@@ -245,14 +302,13 @@ class StepPlanner:
             return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
 
         planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(target.profile()),
-                               alignment=target.alignment, measure=target.measure_splits)
+                               alignment=target.alignment, measure=target.measure_splits, memo=self.split_memo)
         result = planner.plan(target.model, infos, budget)
         if isinstance(result, Bottleneck):
             logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", target.graph.name, result.op_type,
                         result.node, result.needed_bytes, result.reason)
             return result
-        model, _ = write_split_plan(target.model, result.split, infos, cut=Cut.SPLIT)
-        split_infos = infer(model)
+        model, split_infos, _ = planner.rewritten(target.model, infos, result.split)
         programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
         choice = None
         if "swap" in target.passes:
@@ -344,6 +400,17 @@ class StepPlanner:
 
 def _step_plan(outcome: RewriteOutcome) -> StepPlan:
     return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes)
+
+
+def replayed_need(plan: StepPlan, budget: int, alignment: int) -> int | None:
+    """The least budget ``plan``'s program replays in, where it replays within ``budget`` with
+    the arena capped at it as the runtime caps it; None where it does not."""
+    try:
+        trace = simulate_program(plan.choice.program, plan.infos, budget=budget, alignment=alignment)
+    except OutOfArenaMemory:
+        return None
+    need = max(trace.min_budget_bytes, plan.choice.trace.min_budget_bytes)
+    return need if need <= budget and trace.peak_device_bytes <= budget else None
 
 
 def describe_infeasible(infeasible: Infeasible, graph_name: str) -> str:

@@ -121,6 +121,18 @@ class RecomputePlanning:
         # (data input dimensions, budget) where every segment recomputed did not fit the largest blocks
         self._largest_blocks_exceeded: list[tuple[tuple[int, ...], int]] = []
 
+    def sibling(self) -> "RecomputePlanning":
+        """A planning of the same graph with nothing planned, cached or observed, as a new run's
+        is, sharing this one's size-independent parts (segments, units, rewritten graphs) so it
+        finds the same without working them out again (the least-budget search plans one
+        signature at many budgets, each as a new run would)."""
+        other = RecomputePlanning(self.layouts, policy=self.policy, fit_sizes=self.fit_sizes, selective=self.selective)
+        other._layout, other._unit_layout = self._layout, self._unit_layout
+        other._rewritten, other._clone_sources = self._rewritten, self._clone_sources
+        if other._layout is not None:
+            other.estimator = LayerMemoryEstimator(len(other._layout), fit_sizes=other.fit_sizes)
+        return other
+
     # ---- size-independent parts -------------------------------------------------------------
 
     def segments(self, infos) -> list[Segment]:

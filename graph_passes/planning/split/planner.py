@@ -90,6 +90,22 @@ class Bottleneck:
     reason: str
 
 
+@dataclasses.dataclass
+class SplitMemo:
+    """What :class:`JointPlanner` works out the same at every budget for one graph and signature,
+    kept across planners where one signature is planned at many budgets (the least-budget
+    search): each split plan's rewritten graph, infos and lowering, and measured node times."""
+
+    rewrites: dict = dataclasses.field(default_factory=dict)  # (id(model), id(infos), plan) -> (model, infos, rewrite)
+    measured: dict = dataclasses.field(default_factory=lambda: MEASURED)  # node signature -> seconds
+
+
+# Node times measured in ONNX Runtime (None: not measurable alone), by node signature, for every
+# planner of the process: a signature measured once keeps its time, so the same graph, signature
+# and budget get the same split plan again (the least budget stated is the one a run plans with).
+MEASURED: dict[tuple, float | None] = {}
+
+
 class JointPlanner:
     """Alg. 2 over split and swap for one input signature.
 
@@ -103,13 +119,15 @@ class JointPlanner:
         self, *, lower: Callable[[onnx.ModelProto, Mapping[str, TensorInfo]], Program],
         infer: Callable[[onnx.ModelProto], Mapping[str, TensorInfo]], cost_model: CostModel,
         parts: tuple[int, ...] = SPLIT_PARTS, alignment: int = DEFAULT_ALIGNMENT, measure: bool = False,
-        max_splits: int = 256,
+        max_splits: int = 256, memo: SplitMemo | None = None,
     ) -> None:
         self.lower, self.infer, self.cost_model = lower, infer, cost_model
         self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
-        self._measured: dict[tuple, float] = {}
+        self.memo = memo if memo is not None else SplitMemo()
+        self._measured: dict[tuple, float | None] = self.memo.measured
+        self._profiled: set[tuple] = set()  # signatures this planner charged measured times for
         self.candidates_tried = 0
-        self.profiled = 0  # node signatures timed in ONNX Runtime (measure=True)
+        self.profiled = 0  # node signatures charged times measured in ONNX Runtime (measure=True)
 
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
         names = {_label(n): i for i, n in enumerate(model.graph.node) if _label(n)}
@@ -163,12 +181,10 @@ class JointPlanner:
                     continue
                 run = SplitRun((index,), (option.key,), parts)
                 self.candidates_tried += 1
-                try:
-                    rewritten, _ = write_split_plan(model, SplitPlan((*runs, run)), infos, cut=Cut.SPLIT)
-                except UnsplittableOpError:
+                rewrite = self.rewritten(model, infos, SplitPlan((*runs, run)))
+                if rewrite is None:
                     continue
-                new_infos = self.infer(rewritten)
-                program = self.lower(rewritten, new_infos)
+                rewritten, new_infos, program = rewrite
                 group = {i for i, n in enumerate(rewritten.graph.node) if tag.search(n.name)}
                 sizes = self._sizes(new_infos)
                 after = max((need_ for i, need_ in step_requirements(program, sizes)
@@ -194,6 +210,22 @@ class JointPlanner:
                               f"under the budget {budget}; the best needs {least}")
         return best[1]
 
+    def rewritten(self, model: onnx.ModelProto, infos, plan: SplitPlan):
+        """(graph, infos, one-node-per-block lowering) of ``model`` split by ``plan``; None where
+        an op of it cannot be split so. Kept in the memo."""
+        key = (id(model), id(infos), plan)
+        entry = self.memo.rewrites.get(key)
+        if entry is None:
+            try:
+                rewritten, _ = write_split_plan(model, plan, infos, cut=Cut.SPLIT)
+            except UnsplittableOpError:
+                rewrite = None
+            else:
+                new_infos = self.infer(rewritten)
+                rewrite = (rewritten, new_infos, self.lower(rewritten, new_infos))
+            entry = self.memo.rewrites[key] = (model, infos, rewrite)  # holding both keeps their ids
+        return entry[2]
+
     def _cost_model(self, node, infos, group_nodes, new_infos, rewritten) -> CostModel:
         if not self.measure:
             return self.cost_model
@@ -201,10 +233,13 @@ class JointPlanner:
         for n, n_infos, m in [(node, infos, None)] + [(g, new_infos, rewritten) for g in group_nodes]:
             key = _signature(n, n_infos)
             if key not in self._measured:
-                measured = measure_node_times(m if m is not None else rewritten, [n], n_infos)
-                self.profiled += n.name in measured
-                self._measured[key] = measured.get(n.name, self.cost_model.node_time(n, n_infos))
-            times[n.name] = self._measured[key]
+                self._measured[key] = measure_node_times(m if m is not None else rewritten, [n], n_infos).get(n.name)
+            if self._measured[key] is None:  # not measurable alone: the cost model's time
+                times[n.name] = self.cost_model.node_time(n, n_infos)
+            else:
+                times[n.name] = self._measured[key]
+                self.profiled += key not in self._profiled
+                self._profiled.add(key)
         return ProfiledCostModel({}, self.cost_model, node_times=times)
 
     def _check(self, split: SplitPlan, choices, program: Program, infos, budget: int) -> JointPlan | Bottleneck:
@@ -240,4 +275,4 @@ def split_node_count(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if _is_split_node(n))
 
 
-__all__ = ["Bottleneck", "JointPlan", "JointPlanner", "SPLIT_PARTS", "SplitChoice", "split_node_count"]
+__all__ = ["Bottleneck", "JointPlan", "JointPlanner", "SPLIT_PARTS", "SplitChoice", "SplitMemo", "split_node_count"]

