@@ -69,8 +69,9 @@ compat-test: compat
 run: setup
 	$(PY) -m ort_offload train --model gpt --config small --budget 1.0x --steps 10 --verify
 
-# The fast suite: without the slow reliability tests (fuzzing, kill loops) and the tests that
-# run the benchmark scripts; test-all runs everything (CI runs test-all).
+# The fast suite: without the slow tests (fuzzing, kill loops, repeats of a check on more cases)
+# and the tests that run the benchmark scripts; test-all runs everything (CI runs test-all).
+# Both keep the tiny models' exports in .test-cache/ between runs (pytest --fresh-exports: afresh).
 test: setup
 	$(PY) -m pytest -q -m "not slow and not bench"
 
@@ -97,4 +98,4 @@ zoo-quick: setup
 	$(PY) -m ort_offload zoo --quick --baseline $(ZOO_OUT)/zoo-baseline-quick.json --json $(ZOO_OUT)/zoo-quick.json
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(GPU_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(GPU_VENV) build *.egg-info .pytest_cache .test-cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import onnx
 import torch
 
 import ort_offload
@@ -89,17 +90,31 @@ def to_torch(arrays):
     return tuple(torch.from_numpy(np.asarray(a)) for a in arrays)
 
 
+_STEP_GRAPHS: dict[tuple[str, str], tuple] = {}
+
+
 def step_graph_and_feeds(name: str, config: str = "tiny"):
     """A zoo model's exported step graph, values for all of its inputs (initial state, one
-    batch) and the tensor infos for that signature: for running the graph in stock ORT."""
-    from graph_passes.ir import shapes
-    from ort_offload.export.training_step import initial_state
+    batch) and the tensor infos for that signature: for running the graph in stock ORT.
 
-    graph = train_ort(name, optimizer="adamw", steps=1, config=config).trainer.graph
-    (inputs, targets), = batches(name, 1, config=config)
-    feeds = initial_state(graph, get_model(name, config).model, lr=1e-3)
-    feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
-    return graph, feeds, shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+    Made once per test session and model (a trainer, a step and shape inference: seconds);
+    each call gets its own copy of the graph, the feeds and the infos, so a test that changes
+    them changes nothing another test sees."""
+    key = (name, config)
+    if key not in _STEP_GRAPHS:
+        from graph_passes.ir import shapes
+        from ort_offload.export.training_step import initial_state
+
+        graph = train_ort(name, optimizer="adamw", steps=1, config=config).trainer.graph
+        (inputs, targets), = batches(name, 1, config=config)
+        feeds = initial_state(graph, get_model(name, config).model, lr=1e-3)
+        feeds.update({n: t.numpy() for n, t in zip(graph.data_inputs, inputs + targets)})
+        _STEP_GRAPHS[key] = graph, feeds, shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+    graph, feeds, infos = _STEP_GRAPHS[key]
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    graph = dataclasses.replace(graph, model=model, roles=dict(graph.roles), state_pairs=dict(graph.state_pairs))
+    return graph, {n: np.array(v, copy=True) for n, v in feeds.items()}, dict(infos)  # TensorInfo is frozen
 
 
 def chain_body(ops) -> tuple[list[str], str]:

@@ -34,7 +34,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from graph_passes.ir.training_graph import TIED_PARAMS_KEY, UNUSED_PARAMS_KEY, Role, TrainingGraph
+from graph_passes.ir.training_graph import MODEL_NAME_KEY, TIED_PARAMS_KEY, UNUSED_PARAMS_KEY, Role, TrainingGraph
 from ort_offload.export import optimizers
 from ort_offload.errors import ExportError, InputMismatchError
 from ort_offload.export.cache import read_entry, write_entry
@@ -366,6 +366,8 @@ def _export_or_load(model, kind, loss_fn, example_inputs, batch, batch_names, in
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = directory / f"{name}-{kind}-{key}.onnx"
     cached = read_entry(path) if use_cache else None  # verified against its content hash
+    if cached is None and use_cache:
+        cached, path = _entry_under_another_name(path, kind, key, name) or (None, path)
     if cached is not None:
         try:
             graph = TrainingGraph.from_model(cached, name=name)
@@ -385,6 +387,21 @@ def _export_or_load(model, kind, loss_fn, example_inputs, batch, batch_names, in
         phase("writing the export cache")
     saved = write_entry(path, graph.save) if use_cache else None
     return ExportResult(graph, key, False, elapsed, saved)
+
+
+def _entry_under_another_name(path: Path, kind: str, key: str, name: str) -> tuple[onnx.ModelProto, Path] | None:
+    """A verified entry beside ``path`` of the same key (the same captured program, optimizer
+    and versions) exported under another name, renamed ``name``, and its path; None when there
+    is none."""
+    for other in sorted(path.parent.glob(f"*-{kind}-{key}.onnx")):
+        model = None if other == path else read_entry(other)
+        if model is not None:
+            model.graph.name = name
+            for prop in model.metadata_props:
+                if prop.key == MODEL_NAME_KEY:
+                    prop.value = name
+            return model, other
+    return None
 
 
 def _torch_export(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:

@@ -114,6 +114,7 @@ def test_ranks_hold_bitwise_identical_state_after_every_step(two_ranks):
     assert records[0]["losses"] == records[1]["losses"]
 
 
+@pytest.mark.slow  # a second two-rank run (~15 s here); the ranks' bitwise agreement is checked above
 def test_two_runs_are_bitwise_identical(two_ranks, tmp_path):
     again = run_ranks(tmp_path / "again", "--steps", str(STEPS))
     assert again["codes"] == [0, 0], again["records"]

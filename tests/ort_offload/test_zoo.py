@@ -19,6 +19,25 @@ def run_cli(*args):
     return main([str(a) for a in args])
 
 
+def test_one_light_graph_and_one_of_ours_pass_end_to_end(tmp_path, capsys):
+    """The zoo end to end on a light zoo graph and one of our models at 0.5x (the whole quick
+    subset below is `make test-all`'s; writing the baseline is tested in test_cli.py)."""
+    out = tmp_path / "zoo.json"
+    assert run_cli("zoo", "--quick", "--quiet", "--models", "squeezenet,mlp-tiny", "--json", out) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["models"]
+    assert [(m["model"], m["family"]) for m in rows] == [("squeezenet", zoo.LIGHT_FAMILY), ("mlp-tiny", zoo.OURS_FAMILY)]
+    for row in rows:
+        assert row["error"] == "" and row["min_budget_bytes"] < row["unplanned_peak_bytes"]
+        (half,) = row["budgets"]
+        assert half["status"] == "pass", row
+        assert half["peak_bytes"] <= half["budget_bytes"] == int(0.5 * row["unplanned_peak_bytes"])
+        assert half["max_abs_diff"] == 0.0
+        assert f"| {row['model']} |" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo.json"]
+
+
+@pytest.mark.slow  # `make zoo-quick` in full: 7 models, ~2.5-8 min here
 def test_quick_zoo_passes_writes_table_json_and_baseline(tmp_path, capsys):
     """The CI subset: two light zoo graphs and our tiny zoo at 0.5x."""
     out, baseline = tmp_path / "zoo.json", tmp_path / "baseline.json"

@@ -123,6 +123,7 @@ def test_a_longer_step_on_sessions_made_at_a_shorter_one_counts_its_own_workspac
     assert run.trainer.report()["peak_device_bytes"] == long.trace.peak_device_bytes > short.trace.peak_device_bytes
 
 
+@pytest.mark.slow  # bert small at lengths 208-256, 2-3 trainings: minutes here
 def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it(monkeypatch):
     """bert small, lengths falling from 256, budget 0.32 of the unplanned peak: 7 of 8 segments
     fit at 256 in the largest blocks. At 224 the bucket rule, run afresh, ends with a plan that
@@ -156,6 +157,7 @@ def test_a_smaller_size_never_recomputes_more_than_a_plan_that_fits_it(monkeypat
     assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
 
 
+@pytest.mark.slow  # bert small at lengths 208-256, 2-3 trainings: minutes here
 def test_a_larger_size_skips_the_largest_blocks_once_every_segment_exceeded_them(monkeypatch):
     """bert small, budget 0.32 of the unplanned peak at 240: there every segment recomputed does
     not fit the largest blocks, so at 256 (a new bucket, every input dimension at least as

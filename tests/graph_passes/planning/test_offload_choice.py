@@ -51,9 +51,14 @@ def test_cheap_elementwise_segments_recompute_and_heavy_matmuls_swap():
     assert 2 not in recompute_first([SegmentCost(2, 0, 0.0, 1.0)])  # saves nothing: never chosen
 
 
+@pytest.fixture(scope="module")
+def unplanned_cnn():
+    return train_ort("cnn", optimizer="adamw", steps=3)
+
+
 @pytest.mark.parametrize("profile", [None, "V100-16GB-PCIe3"])
-def test_runtime_takes_the_fastest_simulated_candidate_and_stays_bitwise(profile):
-    reference = train_ort("cnn", optimizer="adamw", steps=3)
+def test_runtime_takes_the_fastest_simulated_candidate_and_stays_bitwise(profile, unplanned_cnn):
+    reference = unplanned_cnn
     run = train_ort("cnn", optimizer="adamw", steps=3, budget="0.25x", passes="recompute,swap",
                     planning_profile=profile)
     runner = run.trainer.runner

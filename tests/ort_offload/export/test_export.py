@@ -85,7 +85,9 @@ def test_one_step_in_stock_onnxruntime_equals_torch(config):
 
 
 def test_dynamic_batch_and_sequence_axes_serve_every_size():
-    spec, result = export("gpt", optimizer=optimizers.SGD(lr=0.0))
+    # AdamW as in the other tests of gpt, so the session's cached export serves (the loss does
+    # not depend on the optimizer; lr 0 below)
+    spec, result = export("gpt", optimizer="adamw")
     graph = result.graph
     ids = graph.graph.input[[v.name for v in graph.graph.input].index("ids")]
     assert [d.dim_param for d in ids.type.tensor_type.shape.dim] == ["batch", "seq"]
@@ -112,6 +114,25 @@ def test_cache_hit_skips_the_joint_graph_and_the_onnx_export(tmp_path, monkeypat
     _, second = export("mlp", cache_dir=tmp_path)
     assert second.cache_hit and second.cache_key == first.cache_key
     assert second.graph.model.SerializeToString() == first.graph.with_metadata().SerializeToString()
+
+
+def test_an_entry_serves_the_same_step_exported_under_another_name(tmp_path, monkeypatch):
+    _, first = export("mlp", cache_dir=tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ONNX export ran though an entry of the same key was cached")
+
+    monkeypatch.setattr(torch.onnx, "export", refuse)
+    spec = get_model("mlp")
+    inputs, targets = spec.make_batch()
+    second = export_training_step(spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn,
+                                  input_names=spec.input_names, target_names=spec.target_names,
+                                  dynamic_axes=spec.dynamic_axes, name="mlp-renamed", cache_dir=tmp_path)
+    assert second.cache_hit and second.cache_key == first.cache_key
+    assert second.path == first.path  # the entry read; none is written under the new name
+    assert second.graph.name == second.graph.model.graph.name == "mlp-renamed"
+    assert TrainingGraph.from_model(second.graph.with_metadata()).name == "mlp-renamed"
+    assert second.graph.roles == first.graph.roles and second.graph.state_pairs == first.graph.state_pairs
 
 
 def test_cache_key_changes_with_structure_shapes_and_optimizer(tmp_path):
