@@ -15,6 +15,7 @@ synchronous ones (``write``, ``read``) return when the bytes have moved.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -110,9 +111,12 @@ class NumpyMemory:
 
     def finite(self, buffer: np.ndarray, placed) -> list[bool]:
         """Whether each tensor of ``placed`` ((offset, TensorInfo) pairs) holds only finite values."""
+        finite = []
         with np.errstate(over="ignore", invalid="ignore"):  # all_finite's test, one errstate for all
-            return [bool(np.isfinite(view.sum()) or np.isfinite(view).all())
-                    for view in (self.view(buffer, offset, info) for offset, info in placed)]
+            for offset, info in placed:
+                flat = buffer[offset : offset + info.nbytes].view(info.dtype)
+                finite.append(math.isfinite(flat.sum()) or bool(np.isfinite(flat).all()))
+        return finite
 
 
 # The most a compaction move stages at once (TorchMemory.move).
