@@ -97,10 +97,11 @@ def test_overhead_per_step_and_per_block_follow_from_the_rows(quick_run):
     rows, overhead = result["ours"], result["overhead"]
     for row in rows:
         assert row["overhead_s"] == pytest.approx(row["median_step_s"] - row["baseline_median_step_s"])
-        assert row["outside_ort_s"] > 0 and row["in_ort_s"] > 0
+        assert row["outside_ort_s"] > 0 and row["in_ort_s"] > 0 and row["outside_ort_cpu_s"] > 0
     default = next(r for r in rows if r["is_default"])
     assert overhead["default_allowance_s"] == pytest.approx(TARGET_STEP_OVERHEAD_S + TARGET_BLOCK_OVERHEAD_S * default["blocks"])
-    for name, key in (("vs_plain_session", "overhead_s"), ("outside_ort", "outside_ort_s")):
+    for name, key in (("vs_plain_session", "overhead_s"), ("outside_ort", "outside_ort_s"),
+                      ("outside_ort_cpu", "outside_ort_cpu_s")):
         fit = overhead[name]
         assert fit["default_s"] == default[key]
         expected = fit_per_block(rows, key)
