@@ -220,6 +220,7 @@ class GraphRunner:
         # runs (data-parallel training averages gradients there: ort_offload.distributed).
         self.before_block = None
         self._prepared: dict[tuple, PreparedStep] = {}
+        self._prepared_by_id: dict[int, PreparedStep] = {}  # the same programs (they are never dropped)
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         # The same sessions by what they run (block_content_key): a new recompute
         # plan's graph shares most blocks with earlier plans (the state updates' block, cut
@@ -254,6 +255,7 @@ class GraphRunner:
         with collection_paused():
             prepared = self._prepare_signature(signature, input_infos, probe_feeds)
         self._prepared[signature] = prepared
+        self._prepared_by_id[id(prepared)] = prepared
         self.last_trace = prepared.trace
         self.last_prepared = prepared
         self.runtime.stats.plan_time_s += time.perf_counter() - start
@@ -267,7 +269,7 @@ class GraphRunner:
     def prepared_again(self, prepared: PreparedStep) -> PreparedStep:
         """Count a step that runs ``prepared`` (a program of this runner, looked up by the
         caller) as :meth:`prepare`'s cache would."""
-        if self._prepared.get(prepared.signature) is not prepared:
+        if self._prepared_by_id.get(id(prepared)) is not prepared:  # (hashing the signature costs more)
             raise ValueError(f"{self.graph.name}: that program was not prepared by this runner")
         self.runtime.stats.plan_cache_hits += 1
         self.last_trace = prepared.trace

@@ -177,7 +177,7 @@ def test_a_failing_step_is_a_clear_error_and_keeps_the_state(monkeypatch):
     with pytest.raises(InputMismatchError, match="vocabulary"):
         run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table: refused before running
     with monkeypatch.context() as patch:  # ONNX Runtime itself failing in the first block
-        patch.setattr(BlockSession, "run", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+        patch.setattr(BlockSession, "run_at", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
         with pytest.raises(ExecutionError, match="kernel failed"):
             run.trainer.step(ids, targets)
     after = run.trainer.state_dict()
@@ -208,3 +208,7 @@ def test_batches_of_a_seen_signature_reuse_their_checks_and_nothing_else(monkeyp
     trainer.runtime.state_version += 1
     trainer.step(*inputs, *targets)
     assert checks == [1, 1]  # the wrong dtype, then the signature again at the new version
+    import dataclasses
+
+    with pytest.raises(ValueError):  # a program this runner did not prepare
+        trainer.runner.prepared_again(dataclasses.replace(trainer.runner.last_prepared))
