@@ -115,6 +115,9 @@ class OrtTrainer:
         self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or state
         # Updated state the model itself uses (not optimizer moments): what every step checks.
         self._model_state = [n for n in graph.state_pairs if graph.roles.get(n) in (Role.PARAM, Role.BUFFER)]
+        # Read off the graph once (each is a walk over its inputs or outputs)
+        self._loss_name = graph.loss_name
+        self._counts_steps = optimizers.STEP_INPUT in graph.state_inputs
         self.last_outputs: dict[str, np.ndarray] = {}
         self.runtime = Runtime(device)
         self.runner = self._make_runner(graph)
@@ -125,6 +128,9 @@ class OrtTrainer:
         self.param_order = list(param_order) if param_order is not None else None
         self.grad_norms: list[float] = []  # the global gradient norm of each update (before clipping)
         self._micro = 0  # micro-batches done of the update in progress
+        # (runner, batch signature) -> its checked program, at state version _prepare_cache_version
+        self._prepare_cache: dict[tuple, Any] = {}
+        self._prepare_cache_version = -1
         check_batch(example_batch, {})
         feeds = {**initial_state, **example_batch}
         prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
@@ -166,7 +172,23 @@ class OrtTrainer:
         return check_batch({n: as_numpy(t) for n, t in zip(names, batch)}, self._index_limits)
 
     def _prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
-        """Check the batch against the graph (state as resident) and get the step's program."""
+        """Check the batch against the graph (state as resident) and get the step's program.
+
+        Both depend only on the batch's names, dtypes and shapes and on the state's (which
+        change only with ``runtime.state_version``): a batch like an earlier one reuses its result."""
+        runtime = self.runtime
+        key = (runner, tuple([(n, a.dtype.str, a.shape) for n, a in feeds.items()]))
+        if self._prepare_cache_version != runtime.state_version:
+            self._prepare_cache.clear()
+            self._prepare_cache_version = runtime.state_version
+        prepared = self._prepare_cache.get(key)
+        if prepared is not None:
+            return runner.prepared_again(prepared)
+        prepared = self._check_and_prepare(runner, feeds)
+        self._prepare_cache[key] = prepared
+        return prepared
+
+    def _check_and_prepare(self, runner: GraphRunner, feeds: Mapping[str, np.ndarray]):
         runtime = self.runtime
         resident = {n: _Shaped(runtime.info(n)) for n in runner.graph.state_inputs}
         infos = check_inputs(runner.graph.model, {**resident, **feeds}, declared=runner.declared_inputs)
@@ -191,7 +213,7 @@ class OrtTrainer:
         before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
         outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
-        loss = float(outputs[self.graph.loss_name]) if self.graph.loss_name is not None else None
+        loss = float(outputs[self._loss_name]) if self._loss_name is not None else None
         self._check_finite(loss, before)
         if not last:
             self._micro += 1
@@ -204,7 +226,7 @@ class OrtTrainer:
             update_losses = self.losses[max(0, len(self.losses) - self.accumulation_steps + 1):] + [loss]
             self.scheduler.step(statistics.fmean(update_losses))
         self._step_count += 1
-        if optimizers.STEP_INPUT in self.graph.state_inputs:  # the number of the next step (Adam's t)
+        if self._counts_steps:  # the number of the next step (Adam's t)
             self.runtime.write(optimizers.STEP_INPUT, np.array(self._step_count + 1, dtype=np.float32))
         if loss is None:
             return float("nan")

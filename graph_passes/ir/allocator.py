@@ -10,7 +10,7 @@ the measured peaks come from the same arithmetic.
 from __future__ import annotations
 
 import bisect
-import dataclasses
+import typing
 
 from graph_passes.errors import ArenaStateError
 
@@ -30,8 +30,9 @@ class OutOfArenaMemory(Exception):
         self.name, self.nbytes, self.in_use, self.capacity = name, nbytes, in_use, capacity
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
+class Placement(typing.NamedTuple):
+    """Where a tensor is (immutable; a named tuple: a step makes a hundred of them)."""
+
     offset: int
     nbytes: int  # aligned size
 
@@ -68,6 +69,16 @@ class BestFitAllocator:
     def names(self) -> list[str]:
         return list(self._placements)
 
+    def offsets(self, names) -> tuple[int, ...]:
+        """The offset of each of ``names`` (a step binds dozens of tensors per block: one call)."""
+        placements = self._placements
+        try:
+            return tuple([placements[name].offset for name in names])
+        except KeyError:
+            missing = next(n for n in names if n not in placements)
+            self._placed(missing)  # raises, naming it
+            raise
+
     def allocate(self, name: str, nbytes: int, *, region: tuple[int, int] | None = None) -> Placement:
         """Place ``name``: best fit among the holes, else at the frontier. With ``region``
         (``[lo, hi)``), a place inside it is preferred (best fit among the holes and the
@@ -103,8 +114,10 @@ class BestFitAllocator:
         placement = Placement(offset, size)
         self._placements[name] = placement
         self.in_use += size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        self.high_water = max(self.high_water, offset + size)
+        if self.in_use > self.peak_in_use:
+            self.peak_in_use = self.in_use
+        if offset + size > self.high_water:
+            self.high_water = offset + size
         return placement
 
     def _fit_in(self, size: int, lo: int, hi: int) -> int | None:

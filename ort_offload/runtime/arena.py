@@ -89,6 +89,7 @@ class DeviceArena:
         self.before_move = None  # called before bytes move (compaction, growth): copies must finish first
         self.allocator = BestFitAllocator(capacity, alignment=alignment)
         self.buffer = self.memory.allocate(0, alignment)
+        self._base = self.memory.pointer(self.buffer, 0)  # the buffer's address (pointer() adds offsets)
         self._infos: dict[str, TensorInfo] = {}
         self.compactions = 0
         self.regrowths = 0
@@ -143,6 +144,7 @@ class DeviceArena:
             self.memory.copy_prefix(self.buffer, buffer, live_end)
             self.regrowths += 1
         self.buffer = buffer
+        self._base = self.memory.pointer(buffer, 0)
         self.memory.release_cached()
 
     def _back(self) -> None:
@@ -226,7 +228,12 @@ class DeviceArena:
         return self.memory.view(self.buffer, self.offset(name), self._infos[name])
 
     def pointer(self, name: str) -> int:
-        return self.memory.pointer(self.buffer, self.offset(name))
+        return self._base + self.offset(name)
+
+    def pointers(self, names) -> tuple[int, ...]:
+        """The address of each of ``names``, in order (what a block binds)."""
+        base = self._base
+        return tuple([base + offset for offset in self.allocator.offsets(names)])
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of the tensor."""

@@ -73,6 +73,13 @@ def block_content_key(sub: onnx.ModelProto) -> bytes:
         sub.graph.name = name
 
 
+# IOBindings a session variant keeps, one per arena layout its block has run at (the pointers
+# and shapes of its inputs and outputs). Updated state lands in fresh tensors every step, so a
+# block's layout alternates between a few: one binding per layout binds nothing on the next
+# step, where one rebound binding would rebind every tensor that moved (most of them).
+BINDINGS_PER_VARIANT = 4
+
+
 class _Variant:
     """One ORT session of a block (with one set of folded values) and its bindings."""
 
@@ -86,8 +93,23 @@ class _Variant:
                 f"ONNX Runtime cannot run block {block.index} ({ort_error_summary(e)}); "
                 "the graph uses an op this onnxruntime build has no kernel for"
             ) from e
-        self.binding = self.session.io_binding()
-        self.bound: dict[str, tuple] = {}
+        # layout (pointers, shapes) -> the binding holding exactly those; oldest first
+        self.bindings: dict[tuple, ort.IOBinding] = {}
+
+    def binding(self, layout: tuple, rebind) -> ort.IOBinding:
+        """The binding of ``layout``: a kept one, else one made (or the oldest, taken over)
+        by ``rebind(binding, previous layout or None)``, which binds what differs."""
+        binding = self.bindings.get(layout)
+        if binding is None:
+            previous = None
+            if len(self.bindings) < BINDINGS_PER_VARIANT:
+                binding = self.session.io_binding()
+            else:
+                previous = next(iter(self.bindings))
+                binding = self.bindings.pop(previous)
+            rebind(binding, previous)
+            self.bindings[layout] = binding
+        return binding
 
 
 class BlockSession:
@@ -111,6 +133,7 @@ class BlockSession:
     ) -> None:
         """``sub``: the block's :func:`block_model`, where the caller has built it already."""
         self.block = block
+        self.names: tuple[str, ...] = tuple(block.inputs) + tuple(block.outputs)  # bound, in this order
         self._sub = sub if sub is not None else block_model(model, block, elem_types)
         self._options, self._providers = session_options, providers
         self._slots = HostSlots(self._sub, block.inputs) if fold_host_inputs else None
@@ -150,18 +173,53 @@ class BlockSession:
         (in the memory of ``backend``, a :class:`~ort_offload.runtime.device_backend.DeviceBackend`;
         None: host memory). ``host_values``: the values of :attr:`host_inputs`. On a device
         the run is queued on its compute stream and returns without waiting for it."""
-        device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
+        names = self.names
+        self.run_at(tuple(pointers[n] for n in names), tuple(infos[n].shape for n in names), infos, backend, host_values)
+
+    def run_at(self, pointers: tuple[int, ...], shapes: tuple[tuple[int, ...], ...], infos: Mapping[str, TensorInfo],
+               backend=None, host_values: Mapping[str, np.ndarray] | None = None) -> None:
+        """:meth:`run` with the pointers and shapes of :attr:`names`, in that order (the
+        runner's per-step path: nothing is bound where this layout was bound before)."""
         variant = self._variant(host_values or {}, infos)
-        binding = variant.binding
-        for names, bind in ((self.block.inputs, binding.bind_input), (self.block.outputs, binding.bind_output)):
-            for name in names:
-                info = infos[name]
-                key = (pointers[name], info.shape)
-                if variant.bound.get(name) != key:  # rebind only what moved or changed shape
-                    bind(name, device, device_id, info.dtype, list(info.shape), pointers[name])
-                    variant.bound[name] = key
+        binding = variant.binding((pointers, shapes), lambda b, previous: self._bind(
+            b, previous, pointers, shapes, infos, backend))
         run_options = None if backend is None else backend.run_options
         variant.session.run_with_iobinding(binding, run_options)
+
+    def _bind(self, binding: ort.IOBinding, previous: tuple | None, pointers, shapes, infos, backend) -> None:
+        """Bind into ``binding`` every name whose pointer or shape differs from ``previous``
+        (the layout it holds; None: a fresh binding)."""
+        device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
+        # ONNX Runtime's C++ binding calls, where its Python wrapper exposes them: the wrapper
+        # makes an OrtDevice per call (~12 of ~15 µs a bind; a step binds hundreds of tensors).
+        raw = getattr(binding, "_iobinding", None)
+        if raw is not None:
+            c_device = _c_device(device, device_id)
+            bind_input, bind_output = (lambda name, elem, shape, ptr: raw.bind_input(name, c_device, elem, shape, ptr),
+                                       lambda name, elem, shape, ptr: raw.bind_output(name, c_device, elem, shape, ptr))
+        else:
+            bind_input, bind_output = (lambda name, elem, shape, ptr: binding.bind_input(name, device, device_id, elem, shape, ptr),
+                                       lambda name, elem, shape, ptr: binding.bind_output(name, device, device_id, elem, shape, ptr))
+        inputs = len(self.block.inputs)
+        for i, name in enumerate(self.names):
+            if previous is not None and previous[0][i] == pointers[i] and previous[1][i] == shapes[i]:
+                continue
+            bind = bind_input if i < inputs else bind_output
+            bind(name, onnx_elem_type(infos[name].dtype), list(shapes[i]), pointers[i])
+
+
+@functools.cache
+def onnx_elem_type(dtype: np.dtype) -> int:
+    """ONNX's element type of a numpy dtype (what a binding is told)."""
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+@functools.cache
+def _c_device(device: str, device_id: int):
+    """ONNX Runtime's C++ device object for ``device`` (made once: binds reuse it)."""
+    from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+    return OrtDevice.make(device, device_id)._get_c_device()
 
 
 def default_session_options(*, intra_op_threads: int = 0, spinning: bool = False) -> ort.SessionOptions:

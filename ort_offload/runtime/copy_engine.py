@@ -41,6 +41,8 @@ class CopyEngine:
     def settle(self) -> float:
         """Wait until every copy issued so far has finished, without consuming their events
         (whoever owns each copy still waits on it); seconds waited."""
+        if not self._pending:
+            return 0.0
         started = time.perf_counter()
         concurrent.futures.wait(list(self._pending.values()))
         return time.perf_counter() - started

@@ -15,6 +15,7 @@ synchronous ones (``write``, ``read``) return when the bytes have moved.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -30,7 +31,7 @@ class DeviceMemory(Protocol):
 
     def allocate(self, nbytes: int, alignment: int): ...
     def size(self, buffer) -> int: ...
-    def pointer(self, buffer, offset: int) -> int: ...
+    def pointer(self, buffer, offset: int) -> int: ...  # the buffer's address + offset
     def move(self, buffer, source: int, target: int, nbytes: int) -> None: ...
     def copy_prefix(self, source, target, nbytes: int) -> None: ...
     def write(self, buffer, offset: int, array: np.ndarray) -> None: ...
@@ -110,7 +111,12 @@ class NumpyMemory:
 
     def finite(self, buffer: np.ndarray, placed) -> list[bool]:
         """Whether each tensor of ``placed`` ((offset, TensorInfo) pairs) holds only finite values."""
-        return [all_finite(self.view(buffer, offset, info)) for offset, info in placed]
+        finite = []
+        with np.errstate(over="ignore", invalid="ignore"):  # all_finite's test, one errstate for all
+            for offset, info in placed:
+                flat = buffer[offset : offset + info.nbytes].view(info.dtype)
+                finite.append(math.isfinite(flat.sum()) or bool(np.isfinite(flat).all()))
+        return finite
 
 
 # The most a compaction move stages at once (TorchMemory.move).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import Mapping, Sequence
@@ -80,6 +81,10 @@ class PreparedStep:
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
     split_nodes: int = 0  # nodes the split pass added
     split_plan: object = None  # graph_passes.planning.split.planner.JointPlan
+    # What every run of this program derives from it alone (_StepExecution: each RunBlock
+    # step's _BlockLayout, the views, the first readers), made at its first run. It lives and
+    # dies with this immutable program, so it cannot go stale.
+    run_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 class Runtime:
@@ -95,6 +100,10 @@ class Runtime:
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
         self.stats = RuntimeStats()
         self.copy_engine = self.backend.h2d  # swap-ins
+        # Changes whenever a state tensor's dtype or shape may have changed (new placement, a
+        # step whose updated state differs from what it replaced): input checks of the state
+        # made at one version hold until the next (OrtTrainer's per-batch-signature cache).
+        self.state_version = 0
         self.evict_engine = self.backend.d2h  # swap-outs
         self._planning_profile: DeviceProfile | None = None
 
@@ -123,6 +132,7 @@ class Runtime:
     ) -> None:
         """Put the trainer's state into a fresh arena, packed in ``order``; ``host`` names
         state a swap plan keeps in the host store between steps."""
+        self.state_version += 1
         # Without a budget the arena grows when it must; with one it compacts instead.
         with self.backend.on_compute_stream():
             self.arena = DeviceArena(capacity, alignment=self.device.alignment, growable=self.budget_bytes is None,
@@ -155,7 +165,11 @@ class Runtime:
     def first_nonfinite(self, names) -> str | None:
         """The first of ``names`` holding NaN or inf, else None; floating tensors in the arena
         are checked where they are (on a GPU, without copying them out)."""
-        floating = [n for n in names if np.issubdtype(self.info(n).dtype, np.floating) and self.info(n).nbytes]
+        floating = []
+        for name in names:
+            info = self.info(name)
+            if info.nbytes and _is_floating(info.dtype):
+                floating.append(name)
         resident = [n for n in floating if n in self.arena]
         with self.backend.on_compute_stream():
             finite = dict(zip(resident, self.arena.finite(resident)))
@@ -175,6 +189,11 @@ class Runtime:
             return
         with self.backend.on_compute_stream():
             self.arena.write(name, array)
+
+
+@functools.cache
+def _is_floating(dtype: np.dtype) -> bool:
+    return bool(np.issubdtype(dtype, np.floating))
 
 
 class GraphRunner:
@@ -201,6 +220,7 @@ class GraphRunner:
         # runs (data-parallel training averages gradients there: ort_offload.distributed).
         self.before_block = None
         self._prepared: dict[tuple, PreparedStep] = {}
+        self._prepared_by_id: dict[int, PreparedStep] = {}  # the same programs (they are never dropped)
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
         # The same sessions by what they run (block_content_key): a new recompute
         # plan's graph shares most blocks with earlier plans (the state updates' block, cut
@@ -235,6 +255,7 @@ class GraphRunner:
         with collection_paused():
             prepared = self._prepare_signature(signature, input_infos, probe_feeds)
         self._prepared[signature] = prepared
+        self._prepared_by_id[id(prepared)] = prepared
         self.last_trace = prepared.trace
         self.last_prepared = prepared
         self.runtime.stats.plan_time_s += time.perf_counter() - start
@@ -243,6 +264,16 @@ class GraphRunner:
             self.graph.name, len(prepared.program.blocks), format_bytes(self.baseline_peak_bytes),
             format_bytes(prepared.trace.min_budget_bytes),
         )
+        return prepared
+
+    def prepared_again(self, prepared: PreparedStep) -> PreparedStep:
+        """Count a step that runs ``prepared`` (a program of this runner, looked up by the
+        caller) as :meth:`prepare`'s cache would."""
+        if self._prepared_by_id.get(id(prepared)) is not prepared:  # (hashing the signature costs more)
+            raise ValueError(f"{self.graph.name}: that program was not prepared by this runner")
+        self.runtime.stats.plan_cache_hits += 1
+        self.last_trace = prepared.trace
+        self.last_prepared = prepared
         return prepared
 
     def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
@@ -393,6 +424,7 @@ class GraphRunner:
         """Free a failed step's temporaries; fail loudly (naming ``cause``) if state was
         already consumed."""
         arena, host = self.runtime.arena, self.runtime.host
+        self.runtime.state_version += 1  # check the state again before the next step
         state = set(program.state_inputs) | set(program.host_state)
         for name in arena.names():
             if name not in state:
@@ -431,8 +463,12 @@ class _StepExecution:
         # Placement: which part of the arena each block's tensors go to (ort_offload.runtime.arena).
         usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
         self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
-        self.first_reader = _first_readers(prepared.program) if self.policy.region(0) is not None else {}
-        self.view_start = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
+        cache = prepared.run_cache
+        if "views" not in cache:
+            cache["first_readers"] = _first_readers(prepared.program)
+            cache["views"] = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
+        self.first_reader = cache["first_readers"] if self.policy.region(0) is not None else {}
+        self.view_start = cache["views"]
         self.block: int | None = None  # the block running or about to run
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
@@ -479,7 +515,10 @@ class _StepExecution:
     def _allocate(self, name: str, block: int | None) -> None:
         """Allocate ``name`` for ``block`` (where the policy wants it, room permitting)."""
         region = self.policy.region(block)
-        self._with_room(lambda: self.arena.allocate(name, self.infos[name], region=region))
+        if self.leaving:  # swap-outs in flight: they may have to give their bytes back first
+            self._with_room(lambda: self.arena.allocate(name, self.infos[name], region=region))
+        else:  # what _with_room does when nothing is leaving
+            self.arena.allocate(name, self.infos[name], region=region)
         if region is not None:
             self.stats.region_placements += 1
             offset = self.arena.allocator.placement(name).offset
@@ -547,27 +586,43 @@ class _StepExecution:
         self.stats.swap_in_bytes += self.infos[name].nbytes
         self.stats.swap_time_s += time.perf_counter() - started
 
+    def _layout(self, step: RunBlock) -> "_BlockLayout":
+        """What running ``step`` binds and allocates (this program's, made at its first run)."""
+        layout = self.prepared.run_cache.get(id(step))  # the program holds its steps: ids are stable
+        if layout is None:
+            block = self.prepared.program.blocks[step.block]
+            session = self.runner.session(self.prepared, step.block)
+            names = session.names  # the order it binds in
+            layout = self.prepared.run_cache[id(step)] = _BlockLayout(
+                session=session, block=block,
+                where=tuple(self.view_start.get(n, n) for n in names),
+                shapes=tuple(self.infos[n].shape for n in names),
+                units=tuple(allocation_units(self.prepared.program, step.allocates)),
+            )
+        return layout
+
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena
-        session = self.runner.session(self.prepared, step.block)
+        layout = self._layout(step)
         # This signature's block: the session may have been made at another one, whose
         # workspace (shape-dependent) is not this step's.
-        block = self.prepared.program.blocks[step.block]
+        block = layout.block
         workspace = block.workspace_bytes
         self.block = step.block
         self._cap(workspace)
         self._ensure_resident(block.inputs, f"block {step.block}")
         if self.runner.before_block is not None:
             self.runner.before_block(self, step.block)
-        for name, pieces in allocation_units(self.prepared.program, step.allocates):
+        for name, pieces in layout.units:
             if pieces:
                 self._allocate_view(name, pieces, step.block)
             else:
                 self._allocate(name, step.block)
         self._measure(workspace)
-        pointers = {n: arena.pointer(self.view_start.get(n, n)) for n in block.inputs + block.outputs}
+        session = layout.session
         try:
-            session.run(pointers, self.infos, self.runtime.backend, self._host_values(session))
+            session.run_at(arena.pointers(layout.where), layout.shapes, self.infos, self.runtime.backend,
+                           self._host_values(session))
         except Exception as e:
             first = ort_error_summary(e)
             raise ExecutionError(
@@ -638,6 +693,13 @@ class _StepExecution:
     def commit(self, step: Commit) -> None:
         self._drain()
         self._reap()
+        keeps = self.prepared.run_cache.get(id(step))
+        if keeps is None:  # whether each updated value has the dtype and shape of the state it replaces
+            infos = self.infos
+            keeps = self.prepared.run_cache[id(step)] = all(
+                u in infos and s in infos and infos[u] == infos[s] for u, s in step.renames)
+        if not keeps:
+            self.runtime.state_version += 1
         for updated, state in step.renames:
             if state in self.arena:
                 self.arena.free(state)
@@ -648,6 +710,17 @@ class _StepExecution:
                     self.host.rename(updated, state)  # a clean copy stays clean under the new name
             else:
                 self.host.rename(updated, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockLayout:
+    """One ``RunBlock`` step of a prepared program as every run executes it."""
+
+    session: BlockSession
+    block: object  # graph_passes.ir.program.Block
+    where: tuple[str, ...]  # the arena tensor holding each of session.names (a split view: its first piece)
+    shapes: tuple[tuple[int, ...], ...]  # the shape of each of session.names at this signature
+    units: tuple  # allocation_units of the step's allocations
 
 
 def _first_readers(program: Program) -> dict[int, int]:

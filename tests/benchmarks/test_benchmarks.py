@@ -90,6 +90,35 @@ def test_ratio_is_consistent_with_the_medians(quick_run):
     assert result["ratio"] == default["ratio"] and result["meets_target"] == default["meets_target"]
 
 
+def test_overhead_per_step_and_per_block_follow_from_the_rows(quick_run):
+    _, proc, result = quick_run
+    from benchmarks.overhead import TARGET_BLOCK_OVERHEAD_S, TARGET_STEP_OVERHEAD_S, fit_per_block
+
+    rows, overhead = result["ours"], result["overhead"]
+    for row in rows:
+        assert row["overhead_s"] == pytest.approx(row["median_step_s"] - row["baseline_median_step_s"])
+        assert row["outside_ort_s"] > 0 and row["in_ort_s"] > 0 and row["outside_ort_cpu_s"] > 0
+    default = next(r for r in rows if r["is_default"])
+    assert overhead["default_allowance_s"] == pytest.approx(TARGET_STEP_OVERHEAD_S + TARGET_BLOCK_OVERHEAD_S * default["blocks"])
+    for name, key in (("vs_plain_session", "overhead_s"), ("outside_ort", "outside_ort_s"),
+                      ("outside_ort_cpu", "outside_ort_cpu_s")):
+        fit = overhead[name]
+        assert fit["default_s"] == default[key]
+        expected = fit_per_block(rows, key)
+        assert fit["per_step_s"] == pytest.approx(expected["per_step_s"])
+        assert fit["per_block_s"] == pytest.approx(expected["per_block_s"])
+    assert "per block" in proc.stdout
+
+
+def test_the_per_block_fit_recovers_a_line():
+    from benchmarks.overhead import fit_per_block
+
+    rows = [{"blocks": b, "t": 0.4e-3 + 25e-6 * b} for b in (4, 9, 26, 4)]
+    fit = fit_per_block(rows, "t")
+    assert fit["per_step_s"] == pytest.approx(0.4e-3) and fit["per_block_s"] == pytest.approx(25e-6)
+    assert fit_per_block(rows[:1], "t")["per_block_s"] is None
+
+
 def test_export_times(quick_run):
     _, _, result = quick_run
     export = result["export"]

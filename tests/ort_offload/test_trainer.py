@@ -177,10 +177,38 @@ def test_a_failing_step_is_a_clear_error_and_keeps_the_state(monkeypatch):
     with pytest.raises(InputMismatchError, match="vocabulary"):
         run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table: refused before running
     with monkeypatch.context() as patch:  # ONNX Runtime itself failing in the first block
-        patch.setattr(BlockSession, "run", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+        patch.setattr(BlockSession, "run_at", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
         with pytest.raises(ExecutionError, match="kernel failed"):
             run.trainer.step(ids, targets)
     after = run.trainer.state_dict()
     assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
     loss = run.trainer.step(ids, targets)  # the trainer still works
     assert np.isfinite(loss) and run.trainer.steps_done == 2
+
+
+def test_batches_of_a_seen_signature_reuse_their_checks_and_nothing_else(monkeypatch):
+    """The trainer checks a batch signature (with the state) once per state version: batches
+    alternating between sequence lengths each run their own program, a wrong dtype is still
+    refused, and a new state version checks again."""
+    from ort_offload import trainer as trainer_module
+
+    data = batches("gpt", 6, seq_lengths=[16, 9, 16, 9, 12, 16])
+    run = train_ort("gpt", data=data, optimizer=SGD(lr=0.05))
+    trainer = run.trainer
+    checks = []
+    check_inputs = trainer_module.check_inputs
+    monkeypatch.setattr(trainer_module, "check_inputs", lambda *a, **k: checks.append(1) or check_inputs(*a, **k))
+    for (inputs, targets) in batches("gpt", 3, seq_lengths=[9, 12, 16]):
+        trainer.step(*inputs, *targets)
+        assert trainer.runner.last_prepared.infos["ids"].shape == tuple(inputs[0].shape)
+    assert checks == []  # all three signatures were seen
+    (inputs, targets), = batches("gpt", 1, seq_lengths=[9])
+    with pytest.raises(InputMismatchError):
+        trainer.step(inputs[0].to(torch.int32), *targets)
+    trainer.runtime.state_version += 1
+    trainer.step(*inputs, *targets)
+    assert checks == [1, 1]  # the wrong dtype, then the signature again at the new version
+    import dataclasses
+
+    with pytest.raises(ValueError):  # a program this runner did not prepare
+        trainer.runner.prepared_again(dataclasses.replace(trainer.runner.last_prepared))

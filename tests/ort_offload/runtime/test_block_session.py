@@ -73,3 +73,36 @@ def test_blocks_running_the_same_nodes_share_a_content_key_whatever_their_index_
     name = sub.graph.name
     block_content_key(sub)
     assert sub.graph.name == name  # the model is left as it was
+
+
+def test_kept_bindings_follow_every_change_of_pointers_and_shapes():
+    """A block keeps one binding per layout it ran at (BINDINGS_PER_VARIANT of them): runs at
+    layouts seen before, new ones, ones that take over the oldest binding, and shape changes
+    at the same pointers each read and write exactly the tensors of their own layout."""
+    from graph_passes.ir.shapes import TensorInfo
+    from ort_offload.runtime.block_session import BINDINGS_PER_VARIANT, BlockSession
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Add", ["x", "y"], ["z"])], "add",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n"]) for n in ("x", "y")],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n"])]), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    types = {n: TensorProto.FLOAT for n in ("x", "y", "z")}
+    session = BlockSession(model, Block(0, (0,), ("x", "y"), ("z",), 0), types, session_options=default_session_options())
+    sources = [np.full(8, 2.0 ** i, dtype=np.float32) for i in range(6)]  # every pair has its own sum
+    targets = [np.empty(8, dtype=np.float32) for _ in range(3)]
+    rng = np.random.default_rng(0)
+    layouts = set()
+    for _ in range(60):
+        i, j = rng.choice(len(sources), 2, replace=False)
+        k, n = int(rng.integers(len(targets))), int(rng.choice([4, 8]))
+        for target in targets:
+            target[...] = -1.0
+        infos = {name: TensorInfo(np.dtype(np.float32), (n,)) for name in ("x", "y", "z")}
+        pointers = {"x": sources[i].ctypes.data, "y": sources[j].ctypes.data, "z": targets[k].ctypes.data}
+        session.run(pointers, infos)
+        layouts.add((i, j, k, n))
+        expected = np.full(8, -1.0, dtype=np.float32)
+        expected[:n] = sources[i][0] + sources[j][0]
+        assert targets[k].tobytes() == expected.tobytes(), (i, j, k, n)
+        assert all((t == -1.0).all() for m, t in enumerate(targets) if m != k)
+    assert len(layouts) > BINDINGS_PER_VARIANT  # bindings were taken over, not only reused
