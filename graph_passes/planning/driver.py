@@ -350,7 +350,12 @@ class StepPlanner:
         spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])
         early = updates_early(model, spine, base) if spine is not None else None
         if early is not None:
-            early_programs = list(self.layouts.lowerings(model, infos, early))
+            try:
+                early_programs = list(self.layouts.lowerings(model, infos, early))
+            except ValueError as e:  # not a topological order (seen on split graphs): a speed-up only
+                logger.info("swap plan for %s: no state-updates-early order (%s); the given order stays",
+                            graph.name, e)
+                return best, needed
             other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
             needed = min(needed, other_needed)
             if other is not None and (best is None or other[1] < best[1]):

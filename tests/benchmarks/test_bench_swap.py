@@ -82,7 +82,9 @@ def test_budgets_peaks_and_bitwise_equality(quick_run):
         # Below the unplanned peak the swap pass moves bytes both ways; at 1.0x nothing moves.
         assert rows["1.0x"]["swap_out_bytes_per_step"] == 0 and rows["1.0x"]["swap_in_bytes_per_step"] == 0
         for budget in ("0.5x", "0.25x", "min"):
-            assert rows[budget]["passes"] == ["swap"]
+            # The stated minimum is the least budget any allowed pass set reaches: there it may
+            # take split beside swap (graph_passes/planning/minimum.py).
+            assert rows[budget]["passes"] == ["swap"] or (budget == "min" and "swap" in rows[budget]["passes"])
             assert rows[budget]["swap_out_bytes_per_step"] > 0 and rows[budget]["swap_in_bytes_per_step"] > 0
             assert rows[budget]["faults"] == 0  # static graph, plan intact
 

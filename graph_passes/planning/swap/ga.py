@@ -120,9 +120,14 @@ def seed_genome(candidate: SwapCandidate) -> Genome:
 
 
 def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = None) -> SwapCandidate | None:
-    """The plan a genome stands for, timed; None if it does not fit the budget."""
+    """The plan a genome stands for, timed; None if it does not fit the budget, or if its
+    schedule is not an order the graph can run in (moves can produce one on split graphs,
+    whose split pieces read each other's partial results)."""
     planner = planner or SwapPlanner()
-    program = space.lower(genome.schedule, tuple(sorted(genome.cuts)))
+    try:
+        program = space.lower(genome.schedule, tuple(sorted(genome.cuts)))
+    except ValueError:  # graph_passes.ir.liveness.check_topological
+        return None
     sizes = {n: align_up(i.nbytes, space.alignment) for n, i in space.infos.items()}
     host = genome.host_state & set(program.state_inputs)
     plan = planner.plan(program, sizes, space.budget, host_state=host, priority=dict(genome.victims))
