@@ -205,13 +205,8 @@ class BlockSession:
             if previous is not None and previous[0][i] == pointers[i] and previous[1][i] == shapes[i]:
                 continue
             bind = bind_input if i < inputs else bind_output
-            bind(name, onnx_elem_type(infos[name].dtype), list(shapes[i]), pointers[i])
+            bind(name, infos[name].dtype, list(shapes[i]), pointers[i])  # a numpy dtype: every ORT takes one
 
-
-@functools.cache
-def onnx_elem_type(dtype: np.dtype) -> int:
-    """ONNX's element type of a numpy dtype (what a binding is told)."""
-    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
 @functools.cache
