@@ -21,6 +21,7 @@ import torch
 
 from graph_passes.ir.shapes import check_inputs
 from graph_passes.ir.training_graph import Role, TrainingGraph
+from graph_passes.planning.strategies import PASSES
 from ort_offload import torch_checkpoint
 from ort_offload.export import loop_graphs, optimizers, torch_optim
 from ort_offload.checkpoint import CHECKPOINT_FORMAT  # noqa: F401  (public: the format name, as before)
@@ -37,7 +38,7 @@ from ort_offload.validation import check_learning_rate
 
 logger = logging.getLogger(__name__)
 
-AVAILABLE_PASSES: tuple[str, ...] = ("recompute", "swap", "split")
+AVAILABLE_PASSES: tuple[str, ...] = tuple(PASSES)  # the planning registry's pass names
 # What "auto" uses: swap; split (TSPLIT) only where swap alone cannot plan the budget.
 AUTO_PASSES: tuple[str, ...] = ("swap", "split")
 PASS_CHOICES = ("auto", "none")

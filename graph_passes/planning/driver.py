@@ -2,9 +2,9 @@
 
 :class:`StepPlanner` tries, in order: the graph in its largest blocks; the state updates in a
 block of their own; a recompute plan cached for a similar size; smaller blocks; then the
-passes the caller allows — recompute (:mod:`~graph_passes.planning.recompute`), swap
-(:mod:`~graph_passes.planning.swap`), both (the faster in simulation wins), and split
-(:mod:`~graph_passes.planning.split`) where those cannot fit. It returns a :class:`StepPlan`, or
+registered strategy for the passes the caller allows (:mod:`~graph_passes.planning.strategies`:
+recompute, swap, or both with the faster in simulation winning), and split
+(:mod:`~graph_passes.planning.split`) where that cannot fit. It returns a :class:`StepPlan`, or
 :class:`~graph_passes.planning.choice.Infeasible` with the least budget a plan exists for, found by
 planning (:mod:`~graph_passes.planning.minimum`).
 Plans are timed on the target's device profile; nothing here runs the graph.
@@ -29,11 +29,10 @@ from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
 from graph_passes.planning.choice import Infeasible, ProgramChoice, RewriteOutcome
 from graph_passes.planning.minimum import least_budget
-from graph_passes.planning.offload_choice import RATIOS, recompute_first, segment_costs
 from graph_passes.planning.partition import refine_blocks
-from graph_passes.planning.recompute.graph_pass import recomputed_infos
 from graph_passes.planning.recompute.signatures import RecomputePlanning
 from graph_passes.planning.schedule import training_spine, updates_early
+from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
@@ -230,65 +229,16 @@ class StepPlanner:
         return StepPlan(infos, choice, model)
 
     def _with_passes(self, infos, programs: list[Program], budget: int, needed: int, unplanned: _Unplanned):
-        """Recompute, swap, or both (the faster wins): (StepPlan or None, least budget seen)."""
-        passes = self.target.passes
-        if self._recompute_allowed and "swap" in passes:
-            outcome = self._choose_recompute_or_swap(infos, budget, needed)
-        elif self._recompute_allowed:
-            outcome = self.recompute.plan(infos, budget, programs, needed, unrecomputed=unplanned.unrecomputed)
-        elif "swap" in passes:
-            choice, least, _ = self._plan_swaps(programs, infos, budget, self.target.model)
-            outcome = RewriteOutcome(self.target.model, infos, choice, 0, least)
-        else:
+        """The registered strategy for the allowed passes (:mod:`graph_passes.planning.strategies`):
+        (StepPlan or None, least budget seen)."""
+        strategy = strategy_for(self.target.passes, has_loss=bool(self.target.graph.loss_name))
+        if strategy is None:
             return None, needed
+        proposal = strategy.propose(self, Request(infos, budget, needed, programs, unplanned.unrecomputed))
+        if proposal.candidates is not None:
+            self.last_choice, self.last_segment_costs = list(proposal.candidates), list(proposal.segment_costs or ())
+        outcome = proposal.outcome
         return (None if outcome.choice is None else _step_plan(outcome)), min(needed, outcome.needed_bytes)
-
-    def _choose_recompute_or_swap(self, infos, budget: int, needed: int) -> RewriteOutcome:
-        """Recompute alone (or as far as it goes, then swap), swap alone, and the segments
-        cheaper to recompute than to copy (:mod:`graph_passes.planning.offload_choice`)
-        recomputed with the rest swapped: the fastest in simulation on the planning profile
-        wins. ``self.last_choice`` lists the candidates."""
-        profile = self.target.profile()
-        candidates: list[tuple[str, float, RewriteOutcome]] = []
-        least = needed
-
-        def with_swaps(label: str, outcome: RewriteOutcome, programs) -> None:
-            nonlocal least
-            choice, need, seconds = self._plan_swaps(list(programs), outcome.infos, budget, outcome.model)
-            least = min(least, need)
-            if choice is not None:
-                passes = ("recompute", "swap") if outcome.added_nodes else ("swap",)
-                candidates.append((label, seconds, dataclasses.replace(outcome, choice=choice.with_passes(passes))))
-
-        recomputed = self.recompute.plan(infos, budget, [], needed)
-        least = min(least, recomputed.needed_bytes)
-        if recomputed.choice is not None:
-            seconds = self.layouts.simulated_time(recomputed.choice.program, recomputed.infos, recomputed.model, budget)
-            candidates.append(("recompute", seconds, recomputed))
-        else:
-            with_swaps("recompute all, swap the rest", recomputed, recomputed.programs)
-        model, schedule = self.target.model, self.target.schedule
-        with_swaps("swap", RewriteOutcome(model, infos, None, 0, least), self.layouts.lowerings(model, infos, schedule))
-        segments = self.recompute.segments(infos)
-        costs = segment_costs(segments, model, infos, cost_model=AnalyticalCostModel(profile), profile=profile)
-        saving = len([s for s in segments if s.saved_bytes > 0])
-        for cheap in dict.fromkeys(recompute_first(costs, ratio) for ratio in RATIOS):
-            if cheap and len(cheap) < saving:
-                m_model, m_schedule, m_clones = self.recompute.rewrite(cheap, segments)
-                m_infos = recomputed_infos(infos, m_model)
-                with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest",
-                           RewriteOutcome(m_model, m_infos, None, m_clones, least),
-                           self.layouts.lowerings(m_model, m_infos, m_schedule))
-        self.last_choice = [(label, seconds) for label, seconds, _ in candidates]
-        self.last_segment_costs = costs
-        if not candidates:
-            return RewriteOutcome(model, infos, None, 0, least)
-        label, _, best = min(candidates, key=lambda c: c[1])
-        if label != "recompute":
-            self.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
-        logger.info("recompute or swap for %s on %s: %s (%s)", self.target.graph.name, profile.name, label,
-                    ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
-        return dataclasses.replace(best, needed_bytes=least)
 
     def _plan_split(self, input_infos, probe_feeds, infos, budget: int) -> StepPlan | Bottleneck:
         """Split the ops too large for the budget (:class:`graph_passes.planning.split.planner.JointPlanner`),
@@ -312,7 +262,7 @@ class StepPlanner:
         programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
         choice = None
         if "swap" in target.passes:
-            choice, _, _ = self._plan_swaps(programs, split_infos, budget, model)
+            choice = self.plan_swaps(programs, split_infos, budget, model).choice
         else:
             traced = ((program, self.layouts.trace(program, split_infos)) for program in programs)
             choice = next((ProgramChoice(p, t) for p, t in traced if t.min_budget_bytes <= budget), None)
@@ -324,23 +274,23 @@ class StepPlanner:
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
                         split_nodes=split_node_count(model), split_plan=result)
 
-    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
+    def plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto) -> SwapsFound:
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the planning profile), the least budget any of them needs, and the plan's simulated step
-        time; (None, least budget, None) if none fits. Where copies overlap compute, the same
+        time. Where copies overlap compute, the same
         graph is also planned with its state updates as soon as their gradients exist
         (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
         if self.target.profile().copies_overlap_compute and self.target.swap_points is None and self.target.updates_early:
             best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
         if best is None:
-            return None, needed, None
+            return SwapsFound(None, needed)
         if self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
             # Schedule, cuts, host state and keep/swap per tensor, searched from the grid's best.
             choice, seconds, self.last_plan_search = refine_swap_plan(self.layouts, *best, infos, budget, model)
-            return choice, needed, seconds
+            return SwapsFound(choice, needed, seconds)
         self.last_plan_search = PlanSearch(GRID, best[1], best[1], 0.0)
-        return best[0], needed, best[1]
+        return SwapsFound(best[0], needed, best[1])
 
     def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):
         """``best`` ((choice, seconds) or None) against the plan of the same graph with its
@@ -365,7 +315,7 @@ class StepPlanner:
         return best, needed
 
     def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
-        """:meth:`_plan_swaps` for one schedule (``programs``: lowerings of it): ((choice,
+        """:meth:`plan_swaps` for one schedule (``programs``: lowerings of it): ((choice,
         seconds) or None, least budget)."""
         target = self.target
         sizes = {n: align_up(i.nbytes, target.alignment) for n, i in infos.items()}
@@ -420,8 +370,7 @@ def replayed_need(plan: StepPlan, budget: int, alignment: int) -> int | None:
 
 def describe_infeasible(infeasible: Infeasible, graph_name: str) -> str:
     """The one-line message for a budget no plan fits: the least budget and what was tried."""
-    offered = [{"recompute": "recompute", "swap": "swapping", "split": "splitting"}[p]
-               for p in ("recompute", "swap", "split") if p in infeasible.passes]
+    offered = [PASSES[p].used_as for p in PASSES if p in infeasible.passes]
     how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
     needed = infeasible.needed_bytes
     return (f"budget {format_bytes(infeasible.budget_bytes)} is below the {format_bytes(needed)} ({needed} bytes) "
