@@ -30,7 +30,8 @@ execution block 0. Each block invocation then:
    nor in flight is a **tensor fault**, fetched synchronously, counted and logged;
 4. runs, then hands its outputs back to torch and frees what is dead.
 
-Whenever an allocation does not fit, the runtime evicts by Belady's rule over the known future
+Where tensors are placed and how they move is :mod:`ort_offload.dynamic.residency`; this
+module gives it the future. Whenever an allocation does not fit, it evicts by Belady's rule over the known future
 (the rest of the predicted forward, then the backward in reverse): the tensor whose next use is
 furthest goes first; a parameter is dropped (its host copy is current), a saved activation is
 written back. If nothing is left to evict the invocation cannot run under the budget:
@@ -59,17 +60,15 @@ import numpy as np
 import onnx
 import torch
 
-from graph_passes.ir.allocator import OutOfArenaMemory
 from graph_passes.ir.program import nodes_workspace_bytes
 from graph_passes.ir.shapes import TensorInfo
-from ort_offload.runtime.arena import DeviceArena, make_policy
-from ort_offload.runtime.copy_engine import CopyEngine
+from ort_offload.runtime.arena import DeviceArena
 from ort_offload.errors import BudgetTooSmallError, ExecutionError
-from ort_offload.runtime.host_store import HostStore
 from ort_offload.dynamic.misprediction_cache import MispredictionCache
+from ort_offload.dynamic.residency import Residency, RuntimeStats, TraceEvent
 from pilot.prediction import NoPredictor, PathPrediction, PathPredictor, even_groups
 
-__all__ = ["BlockRuntime", "RESIDENCY_MODES", "RuntimeStats", "TraceEvent", "part_tensor_infos"]
+__all__ = ["BlockRuntime", "RESIDENCY_MODES", "RuntimeStats", "TraceEvent", "part_tensor_infos"]  # stats and events: re-exported
 
 RESIDENCY_MODES = ("offload", "resident")
 
@@ -123,47 +122,6 @@ class _BoundPart:
 
 
 @dataclasses.dataclass
-class RuntimeStats:
-    """Counters of one :class:`BlockRuntime`, over every step so far."""
-
-    steps: int = 0
-    invocations: int = 0
-    faults: int = 0
-    fault_bytes: int = 0
-    prefetch_hits: int = 0
-    prefetches: int = 0
-    prefetch_bytes: int = 0
-    swap_out_bytes: int = 0  # saved activations written back, gradients handed to the host
-    swap_in_bytes: int = 0  # parameters and saved activations fetched (prefetch or fault)
-    load_bytes: int = 0  # block inputs and incoming gradients copied in from torch
-    stall_time_s: float = 0.0  # waiting for prefetches in flight and for faults
-    evictions: int = 0
-    mispredictions: int = 0  # batches whose true path differed from the prediction
-    misprediction_cache_hits: int = 0
-    exact_paths: int = 0  # batches whose predicted path was exactly the true one
-    predicted_blocks_correct: int = 0  # per-position matches of predicted and true path
-    true_blocks: int = 0  # invocations that ran (denominator of the per-block accuracy)
-    inference_us: list = dataclasses.field(default_factory=list)
-    mapping_us: list = dataclasses.field(default_factory=list)
-    fault_log: list = dataclasses.field(default_factory=list)  # (step, phase, execution block, tensor)
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceEvent:
-    """One event of a step, in program order, for replay on a device profile
-    (:mod:`graph_passes.cost.trace_replay`): ``compute`` (a part ran; ``needs``: the parameters and
-    saved tensors it read), ``prefetch`` (a copy in issued ahead), ``fault`` (a synchronous copy
-    in), ``writeback`` (an eviction copied a saved activation out), ``gradient`` (a gradient
-    handed to the host)."""
-
-    kind: str
-    name: str
-    nbytes: int
-    needs: tuple[str, ...] = ()
-    part: Any = None
-
-
-@dataclasses.dataclass
 class _Invocation:
     """One block invocation of the current step: what its backward needs and where it is."""
 
@@ -210,23 +168,25 @@ class BlockRuntime:
         self.misprediction_cache = MispredictionCache()
         self.misprediction_log = Path(misprediction_log) if misprediction_log is not None else None
         self.stats = RuntimeStats()
-        self.arena = DeviceArena(budget_bytes if budget_bytes is not None else 1 << 20, alignment=alignment,
-                                 growable=budget_bytes is None)
-        self.policy = make_policy(arena_policy, usable=budget_bytes, alignment=alignment)
-        self.h2d = CopyEngine("h2d")
-        self.d2h = CopyEngine("d2h")
-        self.arena.before_move = self._settle_copies  # no copy may touch the buffer while bytes move
-        self._writing: dict[str, np.ndarray] = {}  # asynchronous write-backs in flight: name -> host buffer
-        self.host = HostStore()  # written-back saved activations
-        self.peak = 0
+        self.mem = Residency(budget_bytes=budget_bytes, arena_policy=arena_policy, alignment=alignment,
+                             stats=self.stats, next_use=self._next_use, record=lambda e: self.trace.append(e),
+                             keep_all=residency == "resident")
         self.min_budget_bytes = 0  # largest single-invocation need seen (resident + part in/out + workspace)
         self._parts: dict[tuple[int, str], _BoundPart] = {}
         self._block_sources: list[dict[str, torch.Tensor]] = [self._sources(b) for b in self.blocks]
-        self._prefetched: set[str] = set()  # arena names a prefetch brought in this step
         self.trace: list[TraceEvent] = []  # the current step's events, in program order
         self.step_traces: list[list[TraceEvent]] = []  # completed steps' traces (the last 16)
         self._charge_resident(resident_params, optimizer_states)
         self._reset_step()
+
+    @property
+    def arena(self) -> DeviceArena:
+        return self.mem.arena
+
+    @property
+    def peak(self) -> int:
+        """The most device memory any point of any step took (arena live bytes + workspace)."""
+        return self.mem.peak
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -247,17 +207,17 @@ class BlockRuntime:
             charged += [(f"resident/grad+state/{i}", (1 + optimizer_states) * t.numel() * t.element_size())
                         for i, t in enumerate(trained)]
         for name, nbytes in charged:
-            if name in self.arena:
+            if name in self.mem.arena:
                 continue
-            if self.budget is not None and self.arena.in_use + nbytes > self.budget:
-                total = sum(-(-n // self.arena.alignment) * self.arena.alignment for _, n in charged)
+            if self.budget is not None and self.mem.arena.in_use + nbytes > self.budget:
+                total = sum(-(-n // self.mem.arena.alignment) * self.mem.arena.alignment for _, n in charged)
                 raise BudgetTooSmallError(
                     f"the stem and head{' and all gradients and optimizer state' if self.residency == 'resident' else ''} "
                     f"need {total} bytes of device memory but the budget is {self.budget}; raise the budget",
                     needed_bytes=total, budget_bytes=self.budget)
-            self._allocate(name, TensorInfo(np.dtype(np.uint8), (nbytes,)), protect=set(), what="the resident stem/head/state")
-        self.resident_bytes = self.arena.in_use
-        self._measure(0)
+            self.mem.allocate(name, TensorInfo(np.dtype(np.uint8), (nbytes,)), protect=set(), what="the resident stem/head/state")
+        self.resident_bytes = self.mem.arena.in_use
+        self.mem.measure(0)
 
     def _part(self, compiled, which: str) -> _BoundPart:
         key = (id(compiled), which)
@@ -285,7 +245,6 @@ class BlockRuntime:
         self._forward_exec_blocks = 0  # how many the forward had (the halves keep alternating after it)
         self._backward_position = 0
         self._inputs: Sequence[torch.Tensor] = ()
-        self._prefetched.clear()
 
     def begin_step(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> PathPrediction:
         """Predict the batch's path (the ``pilot_model_inference`` step) and prefetch its first
@@ -305,7 +264,7 @@ class BlockRuntime:
         self.prediction = prediction
         self._phase_blocks = list(prediction.execution_blocks)
         if self.residency == "resident":  # the whole model on the device, as without offload
-            align = self.arena.alignment
+            align = self.mem.arena.alignment
             model_bytes = sum(-(-t.numel() * t.element_size() // align) * align
                               for sources in self._block_sources for t in sources.values())
             if self.budget is not None and self.resident_bytes + model_bytes > self.budget:
@@ -316,10 +275,10 @@ class BlockRuntime:
             for block_id, sources in enumerate(self._block_sources):
                 for value, tensor in sources.items():
                     name = self._param_name(block_id, value)
-                    if name not in self.arena:
-                        self._allocate(name, self._source_info(tensor), protect=set(), what="the resident model")
-                        self._issue_copy(name, tensor)
-            self.h2d.drain()
+                    if name not in self.mem.arena:
+                        self.mem.allocate(name, self.mem.source_info(tensor), protect=set(), what="the resident model")
+                        self.mem.copy_in(name, tensor)
+            self.mem.h2d.drain()
         elif self._phase_blocks:
             self._prefetch_group(0)
         return prediction
@@ -327,9 +286,7 @@ class BlockRuntime:
     def end_step(self, model: torch.nn.Module | None = None) -> None:
         """Close the step: score the prediction, log a misprediction, drop the arena copies of
         parameters (the optimizer is about to change the host copies) and anything left over."""
-        self.h2d.drain()
-        self.d2h.drain()
-        self._reap()
+        self.mem.finish_step()
         true_path = tuple(self.actual_path)
         predicted = self.prediction.path
         self.stats.steps += 1
@@ -342,10 +299,6 @@ class BlockRuntime:
             self._log_misprediction(true_path)
         if self.use_misprediction_cache:
             self.misprediction_cache.record(self._own_prediction, true_path)
-        for name in list(self.arena.names()):
-            if not name.startswith("resident/"):
-                self.arena.free(name)
-        self.host.clear()
         self.step_traces = (self.step_traces + [self.trace])[-16:]
         self.trace = []
         self._reset_step()
@@ -374,7 +327,7 @@ class BlockRuntime:
             self._enter_forward_position(k)
         part = self._part(compiled, "forward")
         self._check_fits(part, block_id)
-        self._cap(part, set())
+        self.mem.cap(part.workspace_bytes, set())
         position = {n: i for i, n in enumerate(compiled.state_inputs)}
         names: dict[str, str] = {}
         protect: set[str] = set()
@@ -385,13 +338,13 @@ class BlockRuntime:
         for value in part.inputs:
             if value not in names:  # an argument of the block: copy it in from torch
                 names[value] = f"i{k}/{value}"
-                self._load(names[value], inputs[position[value]], protect)
+                self.mem.load(names[value], inputs[position[value]], protect)
         for value in part.outputs:
             names[value] = f"i{k}/{value}"
-            self._allocate(names[value], part.infos[value], protect=protect, what=f"block {block_id}'s outputs")
+            self.mem.allocate(names[value], part.infos[value], protect=protect, what=f"block {block_id}'s outputs")
             protect.add(names[value])
         self._run(part, names, protect)
-        ys = [torch.from_numpy(self.arena.view(names[y]).copy()) for y in compiled.step.y_outputs]
+        ys = [torch.from_numpy(self.mem.arena.view(names[y]).copy()) for y in compiled.step.y_outputs]
         # Keep what the backward reads; free the rest of this invocation's tensors.
         backward_reads = set(compiled.split.saved) | set(compiled.split.backward_state_inputs)
         kept = {}
@@ -399,7 +352,7 @@ class BlockRuntime:
             if value in backward_reads and name.startswith(f"i{k}/"):
                 kept[value] = name
             elif name.startswith(f"i{k}/"):
-                self.arena.free(name)
+                self.mem.arena.free(name)
         self.invocations.append(_Invocation(k, block_id, compiled, kept))
         if self.pre_evict:
             self._pre_evict()
@@ -413,7 +366,7 @@ class BlockRuntime:
         block_id = record.block_id
         part = self._part(compiled, "backward")
         self._check_fits(part, block_id)
-        self._cap(part, set(record.kept.values()))
+        self.mem.cap(part.workspace_bytes, set(record.kept.values()))
         names: dict[str, str] = {}
         protect: set[str] = set()
         params = [v for v in part.inputs if v in self._block_sources[block_id]]
@@ -422,23 +375,23 @@ class BlockRuntime:
         self._make_resident(block_id, list(names.values()), protect)
         for j, value in enumerate(compiled.step.dy_inputs):
             names[value] = f"i{handle}/{value}"
-            self._load(names[value], dys[j], protect)
+            self.mem.load(names[value], dys[j], protect)
         for value in part.outputs:
             names[value] = f"i{handle}/{value}"
-            self._allocate(names[value], part.infos[value], protect=protect, what=f"block {block_id}'s gradients")
+            self.mem.allocate(names[value], part.infos[value], protect=protect, what=f"block {block_id}'s gradients")
             protect.add(names[value])
         self._run(part, names, protect)
         grads = []
         for value in compiled.backward_outputs:
-            array = self.arena.view(names[value]).copy()
+            array = self.mem.arena.view(names[value]).copy()
             if value in compiled.step.grad_outputs:
                 self.stats.swap_out_bytes += array.nbytes  # gradients go to the host, where the optimizer runs
                 self.trace.append(TraceEvent("gradient", names[value], array.nbytes))
             grads.append(array)
         for value, name in names.items():
-            if name.startswith(f"i{handle}/") and name in self.arena:
-                self.arena.free(name)
-            self.host.discard(name)
+            if name.startswith(f"i{handle}/") and name in self.mem.arena:
+                self.mem.arena.free(name)
+            self.mem.host.discard(name)
         record.kept = {}
         return grads
 
@@ -508,7 +461,7 @@ class BlockRuntime:
                             seen.add(name)
                             out.append((name, self._block_sources[record.block_id][value]))
                 for name in record.kept.values():
-                    if name not in seen and name in self.host:
+                    if name not in seen and name in self.mem.host:
                         seen.add(name)
                         out.append((name, name))
         return out
@@ -517,7 +470,7 @@ class BlockRuntime:
         """The arena half execution block ``i`` of the current phase uses (counted across
         phases so the halves keep alternating into the backward)."""
         offset = self._forward_exec_blocks if self._phase == "backward" else 0
-        return self.policy.region(offset + i)
+        return self.mem.policy.region(offset + i)
 
     def _prefetch_group(self, i: int) -> None:
         """Evict from the migration half what blocks ``i - 1``/``i`` do not need, as much as
@@ -532,15 +485,15 @@ class BlockRuntime:
             protect |= {name for name, _ in self._group_tensors(self._exec_block)}
         horizon = self._use_time_of_group(i)
         for name, source in wanted:
-            if name in self.arena or self.h2d.in_flight(name):
+            if name in self.mem.arena or self.mem.h2d.in_flight(name):
                 continue
-            info = self._source_info(source)
-            if not self._allocate(name, info, protect=protect, region=region, what="a prefetch",
+            info = self.mem.source_info(source)
+            if not self.mem.allocate(name, info, protect=protect, region=region, what="a prefetch",
                                   evict_after=horizon, required=False):
                 break
-            self._issue_copy(name, source)
+            self.mem.copy_in(name, source)
             self.trace.append(TraceEvent("prefetch", name, info.nbytes))
-            self._prefetched.add(name)
+            self.mem.prefetched.add(name)
             self.stats.prefetches += 1
             self.stats.prefetch_bytes += info.nbytes
 
@@ -554,107 +507,60 @@ class BlockRuntime:
     def _param_name(block_id: int, value: str) -> str:
         return f"b{block_id}/{value}"
 
-    def _source_info(self, source) -> TensorInfo:
-        if isinstance(source, torch.Tensor):
-            return TensorInfo(np.dtype(str(source.dtype).removeprefix("torch.")), tuple(source.shape))
-        array = self.host.get(source)
-        return TensorInfo(array.dtype, tuple(array.shape))
-
-    def _issue_copy(self, name: str, source) -> None:
-        """Copy host → arena on the copy engine (``source``: a torch tensor or a host-store name)."""
-        target = self.arena.view(name)
-        array = source.detach().numpy() if isinstance(source, torch.Tensor) else self.host.get(source)
-        self.stats.swap_in_bytes += array.nbytes
-
-        def copy() -> None:
-            np.copyto(target, array)
-
-        self.h2d.submit(name, copy)
-
     def _make_resident(self, block_id: int, names: Sequence[str], protect: set[str]) -> None:
         """Make ``names`` (parameters of ``block_id`` and saved tensors) resident before a part
         runs: in flight → wait; absent → tensor fault, fetched now."""
         protect.update(names)
         phase_block = self._exec_block
         for name in names:
-            if name in self._writing:  # being written back: keep the arena copy after all
-                started = time.perf_counter()
-                self.d2h.wait(name)
-                self.stats.stall_time_s += time.perf_counter() - started
-                self.trace.append(TraceEvent("wait_writeback", name, 0))
-                del self._writing[name]
+            if name in self.mem.writing:  # being written back: keep the arena copy after all
+                self.mem.wait_writeback(name)
                 continue
-            if self.h2d.in_flight(name):
-                waited, _ = self.h2d.wait(name)
+            if self.mem.h2d.in_flight(name):
+                waited, _ = self.mem.h2d.wait(name)
                 self.stats.stall_time_s += waited
                 self.stats.prefetch_hits += 1
-                self._prefetched.discard(name)
+                self.mem.prefetched.discard(name)
                 continue
-            if name in self.arena:
-                if name in self._prefetched:
+            if name in self.mem.arena:
+                if name in self.mem.prefetched:
                     self.stats.prefetch_hits += 1
-                    self._prefetched.discard(name)
+                    self.mem.prefetched.discard(name)
                 continue
             # A tensor fault: neither resident nor in flight.
             source: Any
             if name.startswith("b"):
                 value = name.split("/", 1)[1]
                 source = self._block_sources[block_id][value]
-            elif name in self.host:
+            elif name in self.mem.host:
                 source = name
             else:
                 raise ExecutionError(f"tensor {name} is neither in the arena nor on the host")
             started = time.perf_counter()
-            info = self._source_info(source)
-            self._allocate(name, info, protect=protect, what=f"block {block_id}'s inputs")
-            self._issue_copy(name, source)
-            self.h2d.wait(name)
+            info = self.mem.source_info(source)
+            self.mem.allocate(name, info, protect=protect, what=f"block {block_id}'s inputs")
+            self.mem.copy_in(name, source)
+            self.mem.h2d.wait(name)
             self.stats.stall_time_s += time.perf_counter() - started
             self.trace.append(TraceEvent("fault", name, info.nbytes))
             self.stats.faults += 1
             self.stats.fault_bytes += info.nbytes
             self.stats.fault_log.append((self.stats.steps, self._phase, phase_block, name))
             if isinstance(source, str):
-                self.host.discard(source)
-
-    def _load(self, name: str, tensor: torch.Tensor, protect: set[str]) -> None:
-        """Copy a torch tensor (a block argument, an incoming gradient) into the arena."""
-        array = tensor.detach().contiguous().numpy()
-        self._allocate(name, TensorInfo(array.dtype, tuple(array.shape)), protect=protect, what="a block input")
-        self.arena.view(name)[...] = array
-        self.stats.load_bytes += array.nbytes
-        protect.add(name)
-
-    def _cap(self, part: _BoundPart, protect: set[str]) -> None:
-        """Cap the arena at the budget less ``part``'s workspace before its tensors are placed,
-        evicting what no longer fits (``protect``: what must stay)."""
-        if self.budget is None:
-            return
-        while True:
-            try:
-                self.arena.limit(self.budget - part.workspace_bytes)
-                return
-            except OutOfArenaMemory:
-                if self._writing:
-                    self._wait_oldest_writeback()
-                    continue
-                if not self._evict_one(protect):
-                    raise BudgetTooSmallError(
-                        f"nothing left to evict below {self.budget - part.workspace_bytes} bytes; raise the budget",
-                        needed_bytes=self.arena.in_use + part.workspace_bytes, budget_bytes=self.budget) from None
+                self.mem.host.discard(source)
 
     def _run(self, part: _BoundPart, names: dict[str, str], protect: set[str]) -> None:
         self.trace.append(TraceEvent("compute", part.model.graph.name, 0,
-                                     needs=tuple(n for n in names.values() if n.startswith(("b", "i")) and n in self.arena),
+                                     needs=tuple(n for n in names.values() if n.startswith(("b", "i")) and n in self.mem.arena),
                                      part=part))
-        self._measure(part.workspace_bytes)
+        self.mem.measure(part.workspace_bytes)
         self.min_budget_bytes = max(self.min_budget_bytes, self._needed(names, part))
-        part.run(self.arena, names)
+        part.run(self.mem.arena, names)
 
     def _needed(self, names, part: _BoundPart) -> int:
         """The least budget this part can run under: the resident charge, its own inputs and
         outputs (aligned as the arena places them) and its workspace."""
-        align = self.arena.alignment
+        align = self.mem.arena.alignment
         return self.resident_bytes + part.workspace_bytes + sum(
             -(-part.infos[value].nbytes // align) * align for value in names)
 
@@ -668,37 +574,6 @@ class BlockRuntime:
                 f"block {block_id} ({type(self.blocks[block_id]).__name__}) needs {need} bytes of device memory "
                 f"(stem/head {self.resident_bytes}, its inputs, outputs and workspace) but the budget is {self.budget}; "
                 f"raise the budget to at least {need}", needed_bytes=need, budget_bytes=self.budget)
-
-    def _measure(self, workspace: int) -> None:
-        self.peak = max(self.peak, self.arena.allocator.high_water_live() + workspace)
-
-    def _allocate(self, name: str, info: TensorInfo, *, protect: set[str], what: str,
-                  region: tuple[int, int] | None = None, evict_after: float | None = None,
-                  required: bool = True) -> bool:
-        """Place ``name``, evicting by Belady's rule until it fits. ``evict_after``: evict only
-        tensors next used after that time (a prefetch never displaces something needed sooner).
-        Returns False (``required=False``) or raises :class:`BudgetTooSmallError` when nothing
-        more can be evicted."""
-        self._reap()
-        while True:
-            try:
-                self.arena.allocate(name, info, region=region)
-                self._measure(0)
-                return True
-            except OutOfArenaMemory:
-                if self._writing and (evict_after is None or required):
-                    self._wait_oldest_writeback()
-                    continue
-                if self._evict_one(protect, after=evict_after):
-                    continue
-                if not required:
-                    return False
-                needed = self.arena.in_use + info.nbytes
-                raise BudgetTooSmallError(
-                    f"{what} needs {info.nbytes} more bytes with {self.arena.in_use} in use and nothing left to evict "
-                    f"(budget {self.budget}); raise the budget to at least {needed}",
-                    needed_bytes=needed, budget_bytes=self.budget or 0,
-                ) from None
 
     # ---- eviction --------------------------------------------------------------------------------
 
@@ -736,83 +611,18 @@ class BlockRuntime:
             return best
         return float("inf")
 
-    def _evict_one(self, protect: set[str], *, after: float | None = None) -> bool:
-        """Evict the unprotected tensor used furthest in the future (parameters dropped,
-        saved activations written back). False if there is none (or none past ``after``)."""
-        candidates = [n for n in self.arena.names()
-                      if not n.startswith("resident/") and n not in protect and n not in self._writing]
-        if not candidates or self.residency == "resident":
-            return False
-        scored = sorted(((self._next_use(n), n.startswith("b"), n) for n in candidates), reverse=True)
-        use, _, victim = scored[0]
-        if after is not None and use <= after:
-            return False
-        if self.h2d.in_flight(victim):
-            self.h2d.wait(victim)
-        if victim.startswith("i") and use != float("inf"):
-            array = self.arena.view(victim).copy()
-            self.host.adopt(victim, array)
-            self.trace.append(TraceEvent("writeback", victim, array.nbytes))
-            self.stats.swap_out_bytes += array.nbytes
-        self._prefetched.discard(victim)
-        self.arena.free(victim)
-        self.stats.evictions += 1
-        return True
-
     # ---- asynchronous pre-eviction (DeepUM) ----------------------------------------------------
 
-    def _settle_copies(self) -> None:
-        self.h2d.settle()
-        self.d2h.settle()
-
     def _pre_evict(self) -> None:
-        """After a forward invocation: start writing back saved activations (furthest next use
-        first) until what is free, counting write-backs in flight, covers the largest
-        invocation seen so far plus the next execution block's prefetch, so later allocations
-        find room without waiting for a synchronous eviction."""
+        """After a forward invocation: start writing back saved activations until what is free
+        covers the largest invocation seen so far plus the next execution block's prefetch, so
+        later allocations find room without waiting for a synchronous eviction."""
         if self.budget is None:
             return
         wanted = max(self.min_budget_bytes - self.resident_bytes, 0)
         if self.on_track and self._exec_block + 1 < len(self._phase_blocks):
-            wanted += sum(self._source_info(src).nbytes for _, src in self._group_tensors(self._exec_block + 1))
-        pending = sum(self.arena.info(n).nbytes for n in self._writing)
-        free = self.budget - self.arena.in_use + pending
-        if free >= wanted:
-            return
-        candidates = sorted(((self._next_use(n), n) for n in self.arena.names()
-                             if n.startswith("i") and n not in self._writing), reverse=True)
-        for _, name in candidates:
-            if free >= wanted:
-                break
-            source = self.arena.view(name)
-            buffer = np.empty_like(source)
-
-            def copy(source=source, buffer=buffer) -> None:
-                np.copyto(buffer, source)
-
-            self.d2h.submit(name, copy)
-            self._writing[name] = buffer
-            self.trace.append(TraceEvent("writeback_async", name, buffer.nbytes))
-            self.stats.swap_out_bytes += buffer.nbytes
-            self.stats.evictions += 1
-            free += buffer.nbytes
-
-    def _reap(self) -> None:
-        """Free the arena bytes of write-backs that have finished (their host copy is complete)."""
-        for name in [n for n in self._writing if self.d2h.done(n)]:
-            self.d2h.wait(name)
-            self.host.adopt(name, self._writing.pop(name))
-            self.arena.free(name)
-
-    def _wait_oldest_writeback(self) -> None:
-        name = next(iter(self._writing))
-        started = time.perf_counter()
-        self.d2h.wait(name)
-        self.stats.stall_time_s += time.perf_counter() - started
-        self.trace.append(TraceEvent("wait_writeback", name, 0))
-        self.host.adopt(name, self._writing.pop(name))
-        self.arena.free(name)
+            wanted += sum(self.mem.source_info(src).nbytes for _, src in self._group_tensors(self._exec_block + 1))
+        self.mem.write_back_until_free(wanted)
 
     def close(self) -> None:
-        self.d2h.close()
-        self.h2d.close()
+        self.mem.close()

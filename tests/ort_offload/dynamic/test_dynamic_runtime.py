@@ -199,7 +199,7 @@ def test_prefetches_land_in_alternating_halves(monkeypatch):
         original(self, i)
         region = self._region(i)
         for name, _ in self._group_tensors(i):
-            if name in self._prefetched and name in self.arena:
+            if name in self.mem.prefetched and name in self.arena:
                 placed.append((i, self.arena.allocator.placement(name).offset, region))
 
     monkeypatch.setattr(BlockRuntime, "_prefetch_group", recording)
@@ -207,7 +207,7 @@ def test_prefetches_land_in_alternating_halves(monkeypatch):
     budget = 4 * unlimited.runtime.min_budget_bytes  # room for both halves to hold a layer's parameters
     placed.clear()
     trainer, _ = _train("fixed-bert", budget, OraclePredictor(), steps=1)
-    assert trainer.runtime.policy.name == "double_buffer"
+    assert trainer.runtime.mem.policy.name == "double_buffer"
     forward = [(i, offset, region) for i, offset, region in placed]
     assert {i % 2 for i, _, _ in forward} == {0, 1}
     inside = [region[0] <= offset < region[1] for _, offset, region in forward]
