@@ -187,9 +187,9 @@ class GradientReducer:
         self.stats.allreduce_bytes += sum(array.nbytes for array in arrays)
 
     def reduce_to_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> None:
-        """Sum each array over the ranks into its owner's copy and average it there (a
-        reduce-scatter by tensors: gloo has no reduce-scatter). Other ranks' copies are left
-        undefined: they only sent theirs."""
+        """Sum each array over the ranks into its owner's copy and average it there: a
+        reduce-scatter by tensors, in place (``reduce_scatter`` wants equal pieces of one
+        buffer, a copy). Other ranks' copies are left undefined: they only sent theirs."""
         tensors = [torch.from_numpy(array) for array in arrays]
         started = time.perf_counter()
         with collective(self.rank, "gradient reduce"):
