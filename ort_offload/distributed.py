@@ -274,7 +274,7 @@ class GradientsFirstLayouts(BlockLayouts):
         return self.gradient_order(model, schedule).cut
 
 
-def _data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> StepPlanner:
+def data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> StepPlanner:
     """The step planner of a data-parallel rank: gradients first, no updates interleaved with
     the backward (they would run before the gradients are averaged)."""
     target = planning_target(graph, runtime.device, fetches=fetches, passes=passes, profile=runtime.planning_profile)
@@ -298,7 +298,7 @@ class DataParallelRunner(GraphRunner):
         if grads & set(fetches or ()):
             raise UnsupportedGraphError(f"{graph.name} fetches gradients: data-parallel training averages them "
                                         "inside the step; fetch the loss only")
-        planner = _data_parallel_planner(runtime, graph, fetches=fetches, passes=passes)
+        planner = data_parallel_planner(runtime, graph, fetches=fetches, passes=passes)
         super().__init__(runtime, graph, fetches=fetches, passes=passes, planner=planner)
         self.reducer = reducer
         self.shards = shards
