@@ -38,6 +38,7 @@ from ort_offload.runtime.planning import planning_target
 from ort_offload import torch_checkpoint
 from ort_offload.checkpoint import Checkpoint, check_state, write_checkpoint
 from ort_offload.errors import CheckpointError, DistributedError, InputMismatchError, UnknownDeviceError, UnsupportedGraphError
+from ort_offload.grad_buckets import InFlight, ReducePlan, reduce_plan
 from ort_offload.runtime.runner import GraphRunner
 from ort_offload.sharding import RELEASE_PREFIX, Shards, partition_parameters, rank_graph
 from ort_offload.trainer import OrtTrainer
@@ -174,32 +175,14 @@ class GradientReducer:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
 
-    def average(self, arrays: Sequence[np.ndarray], *, what: str = "gradient all-reduce") -> None:
-        """Replace each array by its mean over the ranks (no copies: the tensors share memory)."""
-        tensors = [torch.from_numpy(array) for array in arrays]
-        started = time.perf_counter()
-        with collective(self.rank, what):
-            for tensor in tensors:  # one at a time, in the same order on every rank (docs/decisions.md)
-                dist.all_reduce(tensor, group=self.group)
-        for tensor in tensors:
-            tensor.div_(self.world_size)
-        self.stats.comm_time_s += time.perf_counter() - started
-        self.stats.allreduce_bytes += sum(array.nbytes for array in arrays)
-
-    def reduce_to_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int]) -> None:
-        """Sum each array over the ranks into its owner's copy and average it there: a
-        reduce-scatter by tensors, in place (``reduce_scatter`` wants equal pieces of one
-        buffer, a copy). Other ranks' copies are left undefined: they only sent theirs."""
-        tensors = [torch.from_numpy(array) for array in arrays]
-        started = time.perf_counter()
-        with collective(self.rank, "gradient reduce"):
-            for tensor, owner in zip(tensors, owners):
-                dist.reduce(tensor, dst=dist.get_global_rank(self.group, owner), group=self.group)
-        for tensor, owner in zip(tensors, owners):
-            if owner == self.rank:
-                tensor.div_(self.world_size)
-        self.stats.comm_time_s += time.perf_counter() - started
-        self.stats.allreduce_bytes += sum(array.nbytes for array in arrays)
+    def start(self, array: np.ndarray, owner: int | None):
+        """Issue the sum of ``array`` over the ranks, in place, into ``owner``'s copy (None:
+        every rank's) without waiting; returns the collective's work."""
+        tensor = torch.from_numpy(array)
+        with collective(self.rank, "gradient reduction"):
+            if owner is None:
+                return dist.all_reduce(tensor, group=self.group, async_op=True)
+            return dist.reduce(tensor, dst=dist.get_global_rank(self.group, owner), group=self.group, async_op=True)
 
     def gather_from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int], *, what: str) -> None:
         """Overwrite each array (in place) with its owner's (parameters after the update)."""
@@ -303,26 +286,70 @@ class DataParallelRunner(GraphRunner):
         self.reducer = reducer
         self.shards = shards
         self.gradient_names = grads
-        self._reduce_points: dict[int, tuple[Any, int | None, tuple[str, ...]]] = {}  # id(program) -> ...
+        producer = {name: index for index, node in enumerate(graph.model.graph.node) for name in node.output}
+        self._order = {name: producer.get(name, -1) for name in grads}  # the same on every rank
+        self._plans: dict[int, tuple[Any, ReducePlan]] = {}  # id(program) -> (program, its plan)
+        self._step: tuple[Any, InFlight] | None = None  # (the step's execution, its collectives)
         self.before_block = self._before_block
+        self.after_block = self._after_block
 
-    def reduce_point(self, program) -> tuple[int | None, tuple[str, ...]]:
-        """(the first block reading a gradient, every gradient the program makes, by name)."""
-        entry = self._reduce_points.get(id(program))
+    def reduce_plan(self, program) -> ReducePlan:
+        """Where ``program``'s gradients are reduced (:func:`~ort_offload.grad_buckets.reduce_plan`)."""
+        entry = self._plans.get(id(program))
         if entry is None:
-            made = sorted({n for block in program.blocks for n in block.outputs if n in self.gradient_names})
-            first = next((b.index for b in program.blocks if any(n in self.gradient_names for n in b.inputs)), None)
-            entry = self._reduce_points[id(program)] = (program, first, tuple(made))
-        return entry[1], entry[2]
+            entry = self._plans[id(program)] = (program, reduce_plan(program, self._order))
+        return entry[1]
+
+    def _owner(self, name: str) -> int | None:
+        return None if self.shards is None else self.shards.grad_owner[name]
+
+    def _in_flight(self, execution) -> InFlight:
+        """This step's collectives; the first call of a step makes the arena wait for them
+        before it moves bytes (they write into it)."""
+        if self._step is None or self._step[0] is not execution:
+            flight = InFlight()
+            self._step = (execution, flight)
+            arena, drain = execution.arena, execution.arena.before_move
+
+            def before_move() -> None:
+                with collective(self.reducer.rank, "gradient reduction"):
+                    flight.wait()
+                if drain is not None:
+                    drain()
+            arena.before_move = before_move
+        return self._step[1]
+
+    def _after_block(self, execution, block: int) -> None:
+        """Issue the bucket(s) this block completed."""
+        plan = self.reduce_plan(execution.prepared.program)
+        ready = plan.ready_after.get(block)
+        if not ready or not execution.arena.eager:
+            return
+        flight = self._in_flight(execution)
+        for name in plan.names[flight.issued:ready]:
+            flight.add(self.reducer.start(execution.arena.view(name), self._owner(name)))
+        flight.issued = ready
 
     def _before_block(self, execution, block: int) -> None:
-        first, names = self.reduce_point(execution.prepared.program)
-        if block == first:
-            values = execution.current_values(names)
-            if self.shards is None:
-                self.reducer.average([values[n] for n in names])
-            else:
-                self.reducer.reduce_to_owners([values[n] for n in names], [self.shards.grad_owner[n] for n in names])
+        """Before the first block that reads a gradient: the rest issued, all waited for, averaged."""
+        plan = self.reduce_plan(execution.prepared.program)
+        if block != plan.first:
+            return
+        flight = self._in_flight(execution)
+        values = execution.current_values(plan.names)  # where each is now (early ones: unmoved, or waited for)
+        for name in plan.names[flight.issued:]:
+            flight.add(self.reducer.start(values[name], self._owner(name)))
+        with collective(self.reducer.rank, "gradient reduction"):
+            flight.wait()
+        for name in plan.names:
+            if self._owner(name) in (None, self.reducer.rank):
+                torch.from_numpy(values[name]).div_(self.reducer.world_size)
+        span, hidden = flight.times()
+        stats = self.reducer.stats
+        stats.comm_time_s += span
+        stats.hidden_time_s += hidden
+        stats.allreduce_bytes += sum(values[n].nbytes for n in plan.names)
+        self._step = None
 
 
 # ---- the trainer ---------------------------------------------------------------------------
@@ -494,7 +521,7 @@ def plan_facts(trainer: DistributedTrainer) -> dict[str, str]:
     """What every rank must agree on after planning: the budget in bytes (unsharded: with
     sharded state a fraction resolves against each rank's own graph) and the gradients it averages."""
     prepared = trainer.runner.last_prepared
-    _, names = trainer.runner.reduce_point(prepared.program)
+    names = trainer.runner.reduce_plan(prepared.program).names
     shapes = ";".join(f"{n}{prepared.infos[n].shape}{prepared.infos[n].dtype}" for n in names)
     facts = {"averaged gradients": _digest(shapes.encode())}
     if trainer.shards is None:
