@@ -9,7 +9,10 @@ moments are two thirds of its state; a short sequence, so state outweighs activa
    ``peak_device_bytes``), its optimizer-state bytes, the bytes it communicated per step
    (gradients reduced + parameters gathered), the seconds in collectives per step, the share of
    them hidden under compute (``comm_overlap_fraction``) and the median step time (2 CPU cores
-   shared: not the point). The losses of the three runs are compared.
+   shared: not the point). The losses of the runs are compared. A fourth run repeats the
+   sharded one with the backward cut into 64-node blocks: gradient buckets are then reduced
+   while later blocks compute, which the overlap fraction measures (unbudgeted, the backward is
+   nearly one block and its gradients are reduced at the cut).
 2. **Largest global batch under a per-rank budget** (planned, not run: each probe lowers the
    rank's step graph for that batch and replays it through the allocator, which is what the
    runtime's arena accounts): the budget is one rank's unplanned peak at the base batch; the
@@ -39,8 +42,10 @@ from benchmarks.common import median, run_main
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_FACTOR = 2.0  # 2 sharded ranks' largest global batch over one rank's
 RUN_TIMEOUT_S = 900
-# name -> (world size, sharded)
+# name -> (world size, sharded): the settings compared
 SETTINGS = {"1 rank": (1, False), "2 ranks": (2, False), "2 ranks, sharded": (2, True)}
+# One more run: the backward in blocks of this many nodes, so gradient buckets overlap the blocks after them
+BUCKETED = ("2 ranks, sharded, 64-node blocks", 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,7 @@ def _worker(args) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
     spec = get_model("gpt", args.config)
     batches = [spec.make_batch(args.batch, args.seq, seed=step) for step in range(args.steps)]
-    device = ort_offload.set_offload_device("cpu", intra_op_threads=1)
+    device = ort_offload.set_offload_device("cpu", intra_op_threads=1, max_block_nodes=args.block_nodes)
     inputs, targets = batches[0]
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
@@ -92,13 +97,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(settings: Settings, world: int, shard: bool, out: Path, cache_dir: str) -> list[dict]:
+def _run_ranks(settings: Settings, world: int, shard: bool, out: Path, cache_dir: str,
+               block_nodes: int | None = None) -> list[dict]:
     """Start ``world`` ranks of :func:`_worker`; their reports, rank by rank."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
     command = [sys.executable, "-m", "benchmarks.distributed", "--worker-out", str(out), "--config", settings.config,
                "--seq", str(settings.seq), "--batch", str(settings.batch), "--steps", str(settings.steps),
-               "--cache-dir", cache_dir] + (["--shard"] if shard else [])
+               "--cache-dir", cache_dir] + (["--shard"] if shard else []) + (
+                   ["--block-nodes", str(block_nodes)] if block_nodes else [])
     procs = [subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = [proc.communicate(timeout=RUN_TIMEOUT_S)[0] for proc in procs]
@@ -128,11 +135,12 @@ def _run_row(name: str, reports: list[dict], steps: int) -> dict:
 
 def measure_runs(settings: Settings, cache_dir: str, log) -> list[dict]:
     rows = []
+    runs = [(name, world, shard, None) for name, (world, shard) in SETTINGS.items()]
+    runs.append((BUCKETED[0], 2, True, BUCKETED[1]))
     with tempfile.TemporaryDirectory(prefix="dist-bench-") as tmp:
-        for name, (world, shard) in SETTINGS.items():
+        for number, (name, world, shard, block_nodes) in enumerate(runs):
             log(f"run: {name} (global batch {settings.batch}, {settings.steps} steps)")
-            reports = _run_ranks(settings, world, shard, Path(tmp) / name.replace(" ", "_").replace(",", ""),
-                                 cache_dir)
+            reports = _run_ranks(settings, world, shard, Path(tmp) / f"run{number}", cache_dir, block_nodes)
             rows.append(_run_row(name, reports, settings.steps))
     reference = rows[0]["losses"]
     for row in rows:
@@ -277,7 +285,8 @@ def parse_args(argv):
     parser.add_argument("--out", default=None, help="directory for distributed.json (default: benchmarks/results/<date>)")
     # One rank of a run (started by the benchmark itself)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    for flag, kind in (("--config", str), ("--seq", int), ("--batch", int), ("--steps", int), ("--cache-dir", str)):
+    for flag, kind in (("--config", str), ("--seq", int), ("--batch", int), ("--steps", int), ("--cache-dir", str),
+                       ("--block-nodes", int)):
         parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

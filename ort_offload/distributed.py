@@ -391,7 +391,9 @@ class DistributedTrainer(OrtTrainer):
                 self.reducer.broadcast(array)
                 self.runtime.write(name, array)
         check_agreement(self.reducer, plan_facts(self))
-        self._buffers = [n for n in graph.state_pairs if graph.roles.get(n) == Role.BUFFER]
+        # In input order: the same on every rank (state_pairs' order is not: a graph read from the
+        # export cache has it sorted)
+        self._buffers = [n for n in graph.state_inputs if n in graph.state_pairs and graph.roles.get(n) == Role.BUFFER]
 
     def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
         return DataParallelRunner(self.runtime, graph, reducer=self.reducer, fetches=graph.step_fetches,
