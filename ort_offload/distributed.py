@@ -175,14 +175,13 @@ class GradientReducer:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
 
-    def start(self, array: np.ndarray, owner: int | None):
-        """Issue the sum of ``array`` over the ranks, in place, into ``owner``'s copy (None:
-        every rank's) without waiting; returns the collective's work."""
+    def reduce(self, array: np.ndarray, owner: int | None) -> None:
+        """Sum ``array`` over the ranks, in place, into ``owner``'s copy (None: every rank's)."""
         tensor = torch.from_numpy(array)
-        with collective(self.rank, "gradient reduction"):
-            if owner is None:
-                return dist.all_reduce(tensor, group=self.group, async_op=True)
-            return dist.reduce(tensor, dst=dist.get_global_rank(self.group, owner), group=self.group, async_op=True)
+        if owner is None:
+            dist.all_reduce(tensor, group=self.group)
+        else:
+            dist.reduce(tensor, dst=dist.get_global_rank(self.group, owner), group=self.group)
 
     def gather_from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int], *, what: str) -> None:
         """Overwrite each array (in place) with its owner's (parameters after the update)."""
@@ -307,7 +306,7 @@ class DataParallelRunner(GraphRunner):
         """This step's collectives; the first call of a step makes the arena wait for them
         before it moves bytes (they write into it)."""
         if self._step is None or self._step[0] is not execution:
-            flight = InFlight()
+            flight = InFlight(self.reducer.reduce)
             self._step = (execution, flight)
             arena, drain = execution.arena, execution.arena.before_move
 
@@ -327,7 +326,7 @@ class DataParallelRunner(GraphRunner):
             return
         flight = self._in_flight(execution)
         for name in plan.names[flight.issued:ready]:
-            flight.add(self.reducer.start(execution.arena.view(name), self._owner(name)))
+            flight.add(execution.arena.view(name), self._owner(name))
         flight.issued = ready
 
     def _before_block(self, execution, block: int) -> None:
@@ -338,7 +337,7 @@ class DataParallelRunner(GraphRunner):
         flight = self._in_flight(execution)
         values = execution.current_values(plan.names)  # where each is now (early ones: unmoved, or waited for)
         for name in plan.names[flight.issued:]:
-            flight.add(self.reducer.start(values[name], self._owner(name)))
+            flight.add(values[name], self._owner(name))
         with collective(self.reducer.rank, "gradient reduction"):
             flight.wait()
         for name in plan.names:

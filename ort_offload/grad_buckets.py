@@ -1,7 +1,7 @@
 """Gradient buckets of a data-parallel step: which gradients are reduced while the backward still runs.
 
-A bucket is the gradients one block makes: once the block has run they are issued as
-asynchronous collectives over their own arena memory (no bucket buffer: they cost the budget
+A bucket is the gradients one block makes: once the block has run they are handed to a
+communication thread, which reduces them over their own arena memory (no bucket buffer: they cost the budget
 nothing beyond the gradients themselves), and every collective is waited for before the first
 block that reads a gradient. Every rank issues the gradients in one order (their producers'
 order in the step graph, the same on every rank), each as soon as it and all before it are
@@ -14,8 +14,10 @@ communication ran under compute.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
-from typing import Any, Mapping
+from typing import Callable, Mapping
 
 from graph_passes.ir.program import Program, SwapIn, SwapOut
 
@@ -53,37 +55,54 @@ def reduce_plan(program: Program, order: Mapping[str, int]) -> ReducePlan:
 
 
 class InFlight:
-    """One step's collectives: when each was issued and finished, and how long the step waited."""
+    """One step's gradient collectives, run in issue order, one at a time, on a thread of their
+    own while the step computes (docs/decisions.md: several outstanding gloo collectives once
+    mismatched); when each ran, and how long the step waited for them."""
 
-    def __init__(self) -> None:
-        self.works: list[Any] = []
-        self._spans: list[list[float | None]] = []  # [issued, finished] per collective
+    def __init__(self, run: Callable[..., None]) -> None:
+        """``run(*item)`` performs one collective (synchronously, on the thread)."""
+        self._run = run
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._spans: list[tuple[float, float]] = []  # (started, finished) per collective
+        self._error: BaseException | None = None
         self.blocked_s = 0.0
         self.issued = 0  # gradients issued so far (a prefix of the plan's names)
 
-    def add(self, work) -> None:
-        span: list[float | None] = [time.perf_counter(), None]
-        work.get_future().add_done_callback(lambda _future: span.__setitem__(1, time.perf_counter()))
-        self.works.append(work)
-        self._spans.append(span)
+    def add(self, *item) -> None:
+        """Queue one collective (``run``'s arguments); it starts once those before it are done."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gradient-reduction", daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:  # the rest are skipped: wait() raises the first error
+                continue
+            started = time.perf_counter()
+            try:
+                self._run(*item)
+            except BaseException as error:  # noqa: BLE001 (handed to the step's thread by wait())
+                self._error = error
+            self._spans.append((started, time.perf_counter()))
 
     def wait(self) -> None:
-        """Wait for every collective issued (the time counts as exposed communication)."""
-        started = time.perf_counter()
-        for work in self.works:
-            work.wait()
-        ended = time.perf_counter()
-        self.blocked_s += ended - started
-        for span in self._spans:
-            if span[1] is None:  # the callback may run just after wait() returns
-                span[1] = ended
-        self.works.clear()
+        """Wait for every collective queued (the time counts as exposed communication); raises
+        the first one's error."""
+        if self._thread is not None:
+            started = time.perf_counter()
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+            self.blocked_s += time.perf_counter() - started
+        if self._error is not None:
+            raise self._error
 
     def times(self) -> tuple[float, float]:
-        """(seconds some collective was in flight, seconds of those the step did not wait)."""
-        spans = sorted((s[0], s[1]) for s in self._spans if s[1] is not None)
+        """(seconds some collective was running, seconds of those the step did not wait)."""
         total, end = 0.0, float("-inf")
-        for start, finish in spans:  # the union of the intervals
+        for start, finish in sorted(self._spans):  # the union of the intervals
             if finish > end:
                 total += finish - max(start, end)
                 end = finish
