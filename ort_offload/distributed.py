@@ -3,9 +3,11 @@
 Owns what makes an :class:`~ort_offload.trainer.OrtTrainer` one of N data-parallel ranks:
 picking up the process group, splitting the global batch by rank, the step order that puts
 every gradient before every state update (:func:`gradients_first`, with a block cut between
-them), the all-reduce of the gradients at that cut (in place, over tensors that share memory
-with the arena or the host store), the start-up check that every rank runs the same graph,
-budget and plan, and the communication statistics of the report.
+them), the reduction of the gradients in buckets done by that cut (in place, over tensors that
+share memory with the arena or the host store; to their owners where optimizer state is sharded,
+:mod:`ort_offload.sharding`, with the parameters gathered back after the step), the start-up
+check that every rank runs the same graph, budget and plan, and the communication statistics of
+the report.
 
 The collectives are torch.distributed's (gloo on the CPU device); ranks that die or time out
 surface as :class:`~ort_offload.errors.DistributedError` on the others.
@@ -270,7 +272,8 @@ def data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> 
 
 class DataParallelRunner(GraphRunner):
     """A :class:`GraphRunner` whose programs make every gradient before a block cut and average
-    them across ranks before the first block after it that reads one."""
+    them across ranks: each block's gradients are handed to a communication thread once it has
+    run (:mod:`ort_offload.grad_buckets`), and all are done before the first block that reads one."""
 
     def __init__(self, runtime, graph: TrainingGraph, *, reducer: GradientReducer, fetches=None, passes=(),
                  shards: Shards | None = None) -> None:
