@@ -13,7 +13,7 @@ import pytest
 from benchmarks import distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 1200  # about 5 minutes here (three runs of spawned ranks); the bound only stops a hung run
+TIMEOUT_S = 1200  # 5-10 minutes here (four runs of spawned ranks); the bound only stops a hung run
 
 
 @pytest.mark.parametrize("largest", [0, 1, 2, 3, 7, 8, 9, 31, 40])
