@@ -103,6 +103,8 @@ def _add_train_command(sub) -> None:
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--verify", action="store_true", help="also train in plain torch and report the largest differences")
     train.add_argument("--cache-dir", default=None, help="export cache directory")
+    train.add_argument("--shard-optimizer-state", action="store_true",
+                       help="under torchrun: each rank keeps the optimizer state of its 1/N of the parameters (ZeRO 1-2)")
     train.add_argument("--predictor", default=None, choices=["pilot", "oracle", "none", "wrong"],
                        help="dynamic models: who predicts each batch's path for prefetching (pilot: the trained pilot "
                             "model, the default where it can enumerate the model's paths, else oracle; oracle: the "
@@ -386,7 +388,7 @@ def _train(args) -> int:
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
         optimizer=args.optimizer, passes=args.passes, name=spec.name, cache_dir=args.cache_dir,
-        stop_on_nonfinite=args.stop_on_nonfinite, **options,
+        stop_on_nonfinite=args.stop_on_nonfinite, shard_optimizer_state=args.shard_optimizer_state, **options,
     )
     batches = [_batch(spec, args, step, lengths[step]) for step in range(args.steps)]
     _run_steps(trainer, [tuple(i) + tuple(t) for i, t in batches], quiet=args.quiet)

@@ -46,6 +46,7 @@ def create_ort_trainer(
     grad_clip_norm: float | None = None,
     accumulation_steps: int = 1,
     lr_scheduler: Any = None,
+    shard_optimizer_state: bool = False,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -65,7 +66,9 @@ def create_ort_trainer(
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
     ``process_group`` (default: torch.distributed's default group, where initialised) makes the
     trainer one data-parallel rank (:mod:`ort_offload.distributed`): example and step batches
-    are global, each rank trains on its shard, and gradients are averaged inside the step.
+    are global, each rank trains on its shard, and gradients are averaged inside the step;
+    ``shard_optimizer_state=True`` then keeps each rank's optimizer state to its 1/N of the
+    parameters (ZeRO stage 1-2; without a process group one process holds it all anyway).
 
     A dynamic model (one with ``blocks()`` and ``path()``, docs/design.md "Dynamic networks") gets a
     :class:`~ort_offload.dynamic.trainer.BlockwiseTrainer` instead: its Python control flow runs
@@ -98,7 +101,8 @@ def create_ort_trainer(
     return _static_trainer(device, model, tuple(example_inputs), tuple(example_targets), config=config, group=group,
                            loss_fn=loss_fn, input_names=input_names, target_names=target_names,
                            dynamic_axes=dynamic_axes, passes=pass_list, name=name, cache_dir=cache_dir,
-                           stop_on_nonfinite=stop_on_nonfinite, loop=loop)
+                           stop_on_nonfinite=stop_on_nonfinite, loop=loop,
+                           shard_optimizer_state=bool(shard_optimizer_state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +142,15 @@ def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example
 
 def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_inputs: tuple, example_targets: tuple, *,
                     config, group, loss_fn, input_names, target_names, dynamic_axes, passes, name, cache_dir,
-                    stop_on_nonfinite: bool, loop: _LoopOptions) -> OrtTrainer:
+                    stop_on_nonfinite: bool, loop: _LoopOptions, shard_optimizer_state: bool = False) -> OrtTrainer:
     """Export ``model``'s training step and build its trainer (one rank's, with a process group)."""
     trainer_class, rank_options = OrtTrainer, {}
     if group is not None:  # the examples are a global batch: the graph is this rank's shard's
         rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         example_inputs = shard_batch(example_inputs, rank, world_size)
         example_targets = shard_batch(example_targets, rank, world_size)
-        trainer_class, rank_options = DistributedTrainer, {"process_group": group}
+        trainer_class = DistributedTrainer
+        rank_options = {"process_group": group, "shard_optimizer_state": shard_optimizer_state}
     input_names = list(input_names or [f"input{i}" for i in range(len(example_inputs))])
     target_names = list(target_names or [f"target{i}" for i in range(len(example_targets))])
     name = name or type(model).__name__.lower()

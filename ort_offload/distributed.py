@@ -3,9 +3,11 @@
 Owns what makes an :class:`~ort_offload.trainer.OrtTrainer` one of N data-parallel ranks:
 picking up the process group, splitting the global batch by rank, the step order that puts
 every gradient before every state update (:func:`gradients_first`, with a block cut between
-them), the all-reduce of the gradients at that cut (in place, over tensors that share memory
-with the arena or the host store), the start-up check that every rank runs the same graph,
-budget and plan, and the communication statistics of the report.
+them), the reduction of the gradients in buckets done by that cut (in place, over tensors that
+share memory with the arena or the host store; to their owners where optimizer state is sharded,
+:mod:`ort_offload.sharding`, with the parameters gathered back after the step), the start-up
+check that every rank runs the same graph, budget and plan, and the communication statistics of
+the report.
 
 The collectives are torch.distributed's (gloo on the CPU device); ranks that die or time out
 surface as :class:`~ort_offload.errors.DistributedError` on the others.
@@ -35,8 +37,12 @@ from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
 from graph_passes.planning.driver import StepPlanner
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.runtime.planning import planning_target
-from ort_offload.errors import DistributedError, InputMismatchError, UnknownDeviceError, UnsupportedGraphError
+from ort_offload import torch_checkpoint
+from ort_offload.checkpoint import Checkpoint, check_state, write_checkpoint
+from ort_offload.errors import CheckpointError, DistributedError, InputMismatchError, UnknownDeviceError, UnsupportedGraphError
+from ort_offload.grad_buckets import InFlight, ReducePlan, reduce_plan
 from ort_offload.runtime.runner import GraphRunner
+from ort_offload.sharding import RELEASE_PREFIX, Shards, partition_parameters, rank_graph
 from ort_offload.trainer import OrtTrainer
 
 logger = logging.getLogger(__name__)
@@ -46,7 +52,8 @@ logger = logging.getLogger(__name__)
 # step while the others wait at a barrier, so this must cover an export.
 DEFAULT_TIMEOUT_S = 300.0
 # The report keys a data-parallel trainer adds to OrtTrainer's.
-DISTRIBUTED_REPORT_KEYS = ("world_size", "rank", "allreduce_bytes", "comm_time_s", "comm_overlap_fraction")
+DISTRIBUTED_REPORT_KEYS = ("world_size", "rank", "allreduce_bytes", "allgather_bytes", "comm_time_s",
+                           "comm_overlap_fraction", "shard_optimizer_state", "optimizer_state_bytes")
 
 
 # ---- process group and batch --------------------------------------------------------------
@@ -141,7 +148,11 @@ def gradients_first(model: onnx.ModelProto, graph: TrainingGraph, schedule: Sequ
                                     "data-parallel training needs the updates after the backward")
     order = list(range(len(nodes))) if schedule is None else list(schedule)
     first = [index for index in order if index in keep]
-    return GradientOrder(tuple(first + [index for index in order if index not in keep]), len(first))
+    rest = [index for index in order if index not in keep]
+    # Sharded state: the reads that hold other ranks' gradients until the reduction come first
+    released = [index for index in rest if nodes[index].name.startswith(RELEASE_PREFIX)]
+    rest = released + [index for index in rest if index not in set(released)]
+    return GradientOrder(tuple(first + rest), len(first))
 
 
 # ---- communication -------------------------------------------------------------------------
@@ -151,7 +162,8 @@ def gradients_first(model: onnx.ModelProto, graph: TrainingGraph, schedule: Sequ
 class CommStats:
     """What this rank's collectives moved and cost, over the run."""
 
-    allreduce_bytes: int = 0  # gradient bytes this rank handed to all-reduce
+    allreduce_bytes: int = 0  # gradient bytes this rank handed to all-reduce (or reduce, to their owners)
+    allgather_bytes: int = 0  # parameter bytes gathered from their owners (sharded state)
     comm_time_s: float = 0.0  # wall time in collectives of the step
     hidden_time_s: float = 0.0  # ... of which ran while the step computed
 
@@ -165,17 +177,22 @@ class GradientReducer:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
 
-    def average(self, arrays: Sequence[np.ndarray], *, what: str = "gradient all-reduce") -> None:
-        """Replace each array by its mean over the ranks (no copies: the tensors share memory)."""
-        tensors = [torch.from_numpy(array) for array in arrays]
+    def reduce(self, array: np.ndarray, owner: int | None) -> None:
+        """Sum ``array`` over the ranks, in place, into ``owner``'s copy (None: every rank's)."""
+        tensor = torch.from_numpy(array)
+        if owner is None:
+            dist.all_reduce(tensor, group=self.group)
+        else:
+            dist.reduce(tensor, dst=dist.get_global_rank(self.group, owner), group=self.group)
+
+    def gather_from_owners(self, arrays: Sequence[np.ndarray], owners: Sequence[int], *, what: str) -> None:
+        """Overwrite each array (in place) with its owner's (parameters after the update)."""
         started = time.perf_counter()
         with collective(self.rank, what):
-            for tensor in tensors:  # one at a time, in the same order on every rank (docs/decisions.md)
-                dist.all_reduce(tensor, group=self.group)
-        for tensor in tensors:
-            tensor.div_(self.world_size)
+            for array, owner in zip(arrays, owners):
+                dist.broadcast(torch.from_numpy(array), src=dist.get_global_rank(self.group, owner), group=self.group)
         self.stats.comm_time_s += time.perf_counter() - started
-        self.stats.allreduce_bytes += sum(array.nbytes for array in arrays)
+        self.stats.allgather_bytes += sum(array.nbytes for array in arrays)
 
     def mean(self, value: float) -> float:
         """``value`` averaged over the ranks (a loss)."""
@@ -184,10 +201,10 @@ class GradientReducer:
             dist.all_reduce(tensor, group=self.group)
         return float(tensor[0] / self.world_size)
 
-    def broadcast(self, array: np.ndarray) -> None:
-        """Overwrite ``array`` with rank 0's (in place)."""
-        with collective(self.rank, "broadcast from rank 0"):
-            dist.broadcast(torch.from_numpy(array), src=dist.get_global_rank(self.group, 0), group=self.group)
+    def broadcast(self, array: np.ndarray, *, src: int = 0, what: str = "broadcast from rank 0") -> None:
+        """Overwrite ``array`` with rank ``src``'s (in place)."""
+        with collective(self.rank, what):
+            dist.broadcast(torch.from_numpy(array), src=dist.get_global_rank(self.group, src), group=self.group)
 
     def barrier(self, what: str) -> None:
         with collective(self.rank, what):
@@ -241,7 +258,7 @@ class GradientsFirstLayouts(BlockLayouts):
         return self.gradient_order(model, schedule).cut
 
 
-def _data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> StepPlanner:
+def data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) -> StepPlanner:
     """The step planner of a data-parallel rank: gradients first, no updates interleaved with
     the backward (they would run before the gradients are averaged)."""
     target = planning_target(graph, runtime.device, fetches=fetches, passes=passes, profile=runtime.planning_profile)
@@ -255,34 +272,86 @@ def _data_parallel_planner(runtime, graph: TrainingGraph, *, fetches, passes) ->
 
 class DataParallelRunner(GraphRunner):
     """A :class:`GraphRunner` whose programs make every gradient before a block cut and average
-    them across ranks before the first block after it that reads one."""
+    them across ranks: each block's gradients are handed to a communication thread once it has
+    run (:mod:`ort_offload.grad_buckets`), and all are done before the first block that reads one."""
 
-    def __init__(self, runtime, graph: TrainingGraph, *, reducer: GradientReducer, fetches=None, passes=()) -> None:
+    def __init__(self, runtime, graph: TrainingGraph, *, reducer: GradientReducer, fetches=None, passes=(),
+                 shards: Shards | None = None) -> None:
+        """``shards``: each gradient goes to the rank that updates with it (sharded state)
+        instead of being averaged on every rank."""
         grads = {n for n, role in graph.roles.items() if role == Role.GRAD}
         if grads & set(fetches or ()):
             raise UnsupportedGraphError(f"{graph.name} fetches gradients: data-parallel training averages them "
                                         "inside the step; fetch the loss only")
-        planner = _data_parallel_planner(runtime, graph, fetches=fetches, passes=passes)
+        planner = data_parallel_planner(runtime, graph, fetches=fetches, passes=passes)
         super().__init__(runtime, graph, fetches=fetches, passes=passes, planner=planner)
         self.reducer = reducer
+        self.shards = shards
         self.gradient_names = grads
-        self._reduce_points: dict[int, tuple[Any, int | None, tuple[str, ...]]] = {}  # id(program) -> ...
+        producer = {name: index for index, node in enumerate(graph.model.graph.node) for name in node.output}
+        self._order = {name: producer.get(name, -1) for name in grads}  # the same on every rank
+        self._plans: dict[int, tuple[Any, ReducePlan]] = {}  # id(program) -> (program, its plan)
+        self._step: tuple[Any, InFlight] | None = None  # (the step's execution, its collectives)
         self.before_block = self._before_block
+        self.after_block = self._after_block
 
-    def reduce_point(self, program) -> tuple[int | None, tuple[str, ...]]:
-        """(the first block reading a gradient, every gradient the program makes, by name)."""
-        entry = self._reduce_points.get(id(program))
+    def reduce_plan(self, program) -> ReducePlan:
+        """Where ``program``'s gradients are reduced (:func:`~ort_offload.grad_buckets.reduce_plan`)."""
+        entry = self._plans.get(id(program))
         if entry is None:
-            made = sorted({n for block in program.blocks for n in block.outputs if n in self.gradient_names})
-            first = next((b.index for b in program.blocks if any(n in self.gradient_names for n in b.inputs)), None)
-            entry = self._reduce_points[id(program)] = (program, first, tuple(made))
-        return entry[1], entry[2]
+            entry = self._plans[id(program)] = (program, reduce_plan(program, self._order))
+        return entry[1]
+
+    def _owner(self, name: str) -> int | None:
+        return None if self.shards is None else self.shards.grad_owner[name]
+
+    def _in_flight(self, execution) -> InFlight:
+        """This step's collectives; the first call of a step makes the arena wait for them
+        before it moves bytes (they write into it)."""
+        if self._step is None or self._step[0] is not execution:
+            flight = InFlight(self.reducer.reduce)
+            self._step = (execution, flight)
+            arena, drain = execution.arena, execution.arena.before_move
+
+            def before_move() -> None:
+                with collective(self.reducer.rank, "gradient reduction"):
+                    flight.wait()
+                if drain is not None:
+                    drain()
+            arena.before_move = before_move
+        return self._step[1]
+
+    def _after_block(self, execution, block: int) -> None:
+        """Issue the bucket(s) this block completed."""
+        plan = self.reduce_plan(execution.prepared.program)
+        ready = plan.ready_after.get(block)
+        if not ready or not execution.arena.eager:
+            return
+        flight = self._in_flight(execution)
+        for name in plan.names[flight.issued:ready]:
+            flight.add(execution.arena.view(name), self._owner(name))
+        flight.issued = ready
 
     def _before_block(self, execution, block: int) -> None:
-        first, names = self.reduce_point(execution.prepared.program)
-        if block == first:
-            values = execution.current_values(names)
-            self.reducer.average([values[n] for n in names])
+        """Before the first block that reads a gradient: the rest issued, all waited for, averaged."""
+        plan = self.reduce_plan(execution.prepared.program)
+        if block != plan.first:
+            return
+        flight = self._in_flight(execution)
+        values = execution.current_values(plan.names)  # where each is now (early ones: unmoved, or waited for)
+        for name in plan.names[flight.issued:]:
+            flight.add(values[name], self._owner(name))
+        with collective(self.reducer.rank, "gradient reduction"):
+            flight.wait()
+        for name in plan.names:
+            if self._owner(name) in (None, self.reducer.rank):
+                torch.from_numpy(values[name]).div_(self.reducer.world_size)
+        span, hidden = flight.times()
+        stats = self.reducer.stats
+        stats.comm_time_s += span
+        stats.hidden_time_s += hidden
+        stats.allreduce_bytes += sum(values[n].nbytes for n in plan.names)
+        self._step = None
 
 
 # ---- the trainer ---------------------------------------------------------------------------
@@ -290,32 +359,54 @@ class DataParallelRunner(GraphRunner):
 
 class DistributedTrainer(OrtTrainer):
     """One data-parallel rank: trains on its shard of each global batch, with gradients
-    averaged across the group inside the step, so every rank holds the same state."""
+    averaged across the group inside the step, so every rank holds the same state.
 
-    def __init__(self, device: OffloadDevice, graph: TrainingGraph, *, process_group: Any, **options) -> None:
+    With ``shard_optimizer_state`` (ZeRO stage 1-2) the rank keeps the optimizer moments of,
+    and updates, only its share of the parameters (:mod:`ort_offload.sharding`): each gradient
+    is summed into its owner, the owner updates, and every parameter is then broadcast from its
+    owner. ``state_dict()`` and ``save()`` gather the whole state (every rank must call them)."""
+
+    def __init__(self, device: OffloadDevice, graph: TrainingGraph, *, process_group: Any,
+                 shard_optimizer_state: bool = False, **options) -> None:
         """As :class:`OrtTrainer`, with ``example_batch`` this rank's shard."""
         if device.kind != "cpu":
             raise UnknownDeviceError(f"data-parallel training runs on the CPU device (gloo) for now, not {device.name}")
         self.group = process_group
         self.reducer = GradientReducer(process_group)
         self.rank, self.world_size = self.reducer.rank, self.reducer.world_size
-        check_agreement(self.reducer, start_facts(graph, device, options.get("example_batch", {})))
+        check_agreement(self.reducer, start_facts(graph, device, options.get("example_batch", {}),
+                                                  sharded=shard_optimizer_state))
+        initial = options["initial_state"]
+        self.full_state_infos = {n: (initial[n].dtype, tuple(initial[n].shape)) for n in graph.state_inputs}
+        self.shards: Shards | None = None
+        if shard_optimizer_state:
+            self.shards = partition_parameters(graph, {n: initial[n].nbytes for n in graph.state_inputs},
+                                               self.world_size)
+            graph = rank_graph(graph, self.shards, self.rank)
+            options["initial_state"] = {n: initial[n] for n in graph.state_inputs}
         super().__init__(device, graph, **options)
-        for name in graph.state_inputs:  # rank 0's initial state everywhere (as DDP's constructor)
-            array = self.runtime.read(name)
-            self.reducer.broadcast(array)
-            self.runtime.write(name, array)
+        # Rank 0's initial state everywhere (as DDP's constructor); sharded moments start at zero
+        sharded = self.shards.sharded_state() if self.shards is not None else {}
+        for name in graph.state_inputs:
+            if name not in sharded:
+                array = self.runtime.read(name)
+                self.reducer.broadcast(array)
+                self.runtime.write(name, array)
         check_agreement(self.reducer, plan_facts(self))
-        self._buffers = [n for n in graph.state_pairs if graph.roles.get(n) == Role.BUFFER]
+        # In input order: the same on every rank (state_pairs' order is not: a graph read from the
+        # export cache has it sorted)
+        self._buffers = [n for n in graph.state_inputs if n in graph.state_pairs and graph.roles.get(n) == Role.BUFFER]
 
     def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
         return DataParallelRunner(self.runtime, graph, reducer=self.reducer, fetches=graph.step_fetches,
-                                  passes=self.passes)
+                                  passes=self.passes, shards=self.shards)
 
     def step(self, *batch) -> float:
         """One step on the global ``batch``: this rank's shard runs here; returns the global loss."""
         local = shard_batch(batch, self.rank, self.world_size)
         loss = super().step(*local)
+        if self.shards is not None:
+            self._gather_parameters()
         for name in self._buffers:  # statistics of this rank's shard: rank 0's win (as DDP)
             array = self.runtime.read(name)
             self.reducer.broadcast(array)
@@ -326,22 +417,87 @@ class DistributedTrainer(OrtTrainer):
         self.losses[-1] = loss
         return loss
 
+    def _gather_parameters(self) -> None:
+        """Every parameter from the rank that updated it, written in place where it lives."""
+        runtime, names = self.runtime, list(self.shards.owner)
+        arrays, copies = [], []
+        for name in names:
+            if name in runtime.arena and runtime.arena.eager:  # its arena memory
+                runtime.host.discard(name)  # a host copy of the old value would go stale
+                arrays.append(runtime.arena.view(name))
+            elif name in runtime.arena:  # device memory: through a host copy
+                arrays.append(runtime.read(name))
+                copies.append(len(arrays) - 1)
+            else:  # kept in the host store between steps
+                arrays.append(runtime.host.get(name))
+        self.reducer.gather_from_owners(arrays, [self.shards.owner[n] for n in names], what="parameter gather")
+        for index in copies:
+            runtime.write(names[index], arrays[index])
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The whole state (with sharded state, gathered from the owners: every rank calls this)."""
+        local = super().state_dict()
+        if self.shards is None:
+            return local
+        owners = self.shards.sharded_state()
+        full = {}
+        for name, (dtype, shape) in self.full_state_infos.items():
+            if name in owners:
+                array = local[name] if owners[name] == self.rank else np.empty(shape, dtype)
+                self.reducer.broadcast(array, src=owners[name], what="optimizer state gather")
+                full[name] = array
+            else:
+                full[name] = local[name]
+        return full
+
+    def _checked_state(self, state: Any) -> dict[str, np.ndarray]:
+        """A whole state (as any trainer saves it) checked, then cut to this rank's share."""
+        if self.shards is None or not isinstance(state, Mapping) or set(state) == set(self.graph.state_inputs):
+            return super()._checked_state(state)
+        full = check_state(state, self.full_state_infos)
+        return super()._checked_state({n: full[n] for n in self.graph.state_inputs})
+
     def save(self, path) -> Path:
-        """Rank 0 writes the checkpoint (every rank holds the same state); all return once it exists."""
-        written = super().save(path) if self.rank == 0 else Path(path)
+        """Rank 0 writes the checkpoint of the whole state; all return once it exists."""
+        if self.shards is None:
+            written = super().save(path) if self.rank == 0 else Path(path)
+        else:
+            if torch_checkpoint.is_torch_path(path):
+                raise CheckpointError("a trainer with sharded optimizer state saves .npz checkpoints: "
+                                      "give a path ending in .npz")
+            state = self.state_dict()
+            written = Path(path) if self.rank else write_checkpoint(
+                path, Checkpoint(model=self.name, steps=self.steps_done, losses=list(self.losses), state=state))
         self.reducer.barrier("checkpoint barrier")
         return written
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        if self.shards is not None:
+            raise CheckpointError("torch_state_dict() needs every rank's optimizer state: use save() to a .npz "
+                                  "path, or train without shard_optimizer_state")
+        return super().torch_state_dict()
+
+    def load_torch_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.shards is not None:
+            raise CheckpointError("a trainer with sharded optimizer state loads .npz checkpoints only")
+        super().load_torch_state_dict(state)
 
     def report(self) -> dict[str, Any]:
         """:class:`OrtTrainer`'s report with the data-parallel keys (:data:`DISTRIBUTED_REPORT_KEYS`)."""
         stats = self.reducer.stats
         report = super().report()
+        optimizer_state = [n for n in self.graph.state_inputs if self.graph.roles.get(n) == Role.OPTIMIZER_STATE]
         report.update({
             "world_size": self.world_size,
             "rank": self.rank,
             "allreduce_bytes": stats.allreduce_bytes,
+            "allgather_bytes": stats.allgather_bytes,
             "comm_time_s": stats.comm_time_s,
             "comm_overlap_fraction": stats.hidden_time_s / stats.comm_time_s if stats.comm_time_s else 0.0,
+            "shard_optimizer_state": self.shards is not None,
+            "optimizer_state_bytes": sum(self.runtime.info(n).nbytes for n in optimizer_state),
         })
         return report
 
@@ -353,21 +509,28 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-def start_facts(graph: TrainingGraph, device: OffloadDevice, batch: Mapping[str, np.ndarray]) -> dict[str, str]:
-    """What every rank must agree on before planning: the graph, the budget, the batch shard."""
+def start_facts(graph: TrainingGraph, device: OffloadDevice, batch: Mapping[str, np.ndarray], *,
+                sharded: bool = False) -> dict[str, str]:
+    """What every rank must agree on before planning: the graph, the budget, the batch shard,
+    whether optimizer state is sharded."""
     return {
         "graph": _digest(graph.model.graph.SerializeToString()),
         "budget": "unlimited" if device.budget is None else str(device.budget),
         "batch shard": ", ".join(f"{n} {tuple(a.shape)}" for n, a in batch.items()),
+        "optimizer state sharding": "on" if sharded else "off",
     }
 
 
-def plan_facts(trainer: OrtTrainer) -> dict[str, str]:
-    """What every rank must agree on after planning: the budget in bytes and the gradients it averages."""
+def plan_facts(trainer: DistributedTrainer) -> dict[str, str]:
+    """What every rank must agree on after planning: the budget in bytes (unsharded: with
+    sharded state a fraction resolves against each rank's own graph) and the gradients it averages."""
     prepared = trainer.runner.last_prepared
-    _, names = trainer.runner.reduce_point(prepared.program)
+    names = trainer.runner.reduce_plan(prepared.program).names
     shapes = ";".join(f"{n}{prepared.infos[n].shape}{prepared.infos[n].dtype}" for n in names)
-    return {"budget bytes": str(trainer.runtime.budget_bytes), "averaged gradients": _digest(shapes.encode())}
+    facts = {"averaged gradients": _digest(shapes.encode())}
+    if trainer.shards is None:
+        facts["budget bytes"] = str(trainer.runtime.budget_bytes)
+    return facts
 
 
 def check_agreement(reducer: GradientReducer, facts: Mapping[str, str]) -> None:

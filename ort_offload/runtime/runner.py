@@ -217,8 +217,10 @@ class GraphRunner:
         self.model, self.swap_points, self.schedule, self.passes = (target.model, target.swap_points,
                                                                     target.schedule, target.passes)
         # Called as before_block(execution, block) once a block's inputs are resident, before it
-        # runs (data-parallel training averages gradients there: ort_offload.distributed).
+        # runs (data-parallel training averages gradients there: ort_offload.distributed), and
+        # after_block(execution, block) once it has run, before its frees (it issues their reduction).
         self.before_block = None
+        self.after_block = None
         self._prepared: dict[tuple, PreparedStep] = {}
         self._prepared_by_id: dict[int, PreparedStep] = {}  # the same programs (they are never dropped)
         self._sessions: dict[tuple[int, tuple[int, ...]], BlockSession] = {}  # (id(model), node indices)
@@ -629,6 +631,8 @@ class _StepExecution:
                 f"block {step.block} of {self.runner.graph.name} failed in ONNX Runtime ({first}); "
                 "check the batch values (e.g. token ids below the vocabulary size)"
             ) from e
+        if self.runner.after_block is not None:
+            self.runner.after_block(self, step.block)
         for name in step.frees:
             arena.free(name)
             self.host.discard(name)  # a clean host copy dies with the value

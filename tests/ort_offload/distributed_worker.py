@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("--rank-budget", default=None, help="RANK=BUDGET: this rank starts with another budget")
     parser.add_argument("--save-after", type=int, default=0, help="save a checkpoint after this step")
     parser.add_argument("--die-at", type=int, default=0, help="rank 1 exits abruptly before this step")
+    parser.add_argument("--block-nodes", type=int, default=None, help="the device's max_block_nodes")
+    parser.add_argument("--shard", action="store_true", help="shard_optimizer_state=True")
     parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (covers rank 0's export)")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -53,11 +55,13 @@ def main() -> int:
     spec, batches = gpt_batches(args.steps)
     record: dict = {"rank": rank}
     try:
-        device = ort_offload.set_offload_device("cpu", budget=budget, intra_op_threads=1)
+        device = ort_offload.set_offload_device("cpu", budget=budget, intra_op_threads=1,
+                                                max_block_nodes=args.block_nodes)
         inputs, targets = batches[0]
         trainer = ort_offload.create_ort_trainer(
             device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
             input_names=spec.input_names, target_names=spec.target_names, name=spec.name, passes="auto",
+            shard_optimizer_state=args.shard,
         )
         digests = []  # of the whole state after every step
         for number, (inputs, targets) in enumerate(batches, start=1):

@@ -19,6 +19,7 @@ import pytest
 
 import ort_offload
 from graph_passes.ir.training_graph import Role
+from ort_offload.export.optimizers import LR_INPUT, STEP_INPUT
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_worker import gpt_batches  # noqa: E402
@@ -78,6 +79,15 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_ranks_sharded(tmp_path_factory):
+    """Sharded, in blocks of at most 64 nodes: gradients are reduced in buckets while the backward runs."""
+    run = run_ranks(tmp_path_factory.mktemp("two_ranks_sharded"), "--steps", str(STEPS), "--save-after", "2", "--shard",
+                    "--block-nodes", "64")
+    assert run["codes"] == [0, 0], run["records"]
+    return run
+
+
+@pytest.fixture(scope="module")
 def one_process():
     trainer, batches = _trainer()
     for inputs, targets in batches:
@@ -97,14 +107,87 @@ def _key_bias_slice(name: str, array: np.ndarray):
     return array
 
 
+def _assert_state_close(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        have, want = _key_bias_slice(name, got[name]), _key_bias_slice(name, expected[name])
+        scale = max(float(np.max(np.abs(want))), 1e-30)
+        assert float(np.max(np.abs(have - want))) <= 1e-6 * scale, name
+
+
 def test_two_ranks_match_one_process_at_the_global_batch(two_ranks, one_process):
     losses = two_ranks["records"][0]["losses"]
     np.testing.assert_allclose(losses, one_process.losses, rtol=1e-6, atol=0)
-    rank0 = np.load(two_ranks["out"] / "rank0.npz")
-    for name, expected in one_process.state_dict().items():
-        got, want = _key_bias_slice(name, rank0[name]), _key_bias_slice(name, expected)
-        scale = max(float(np.max(np.abs(want))), 1e-30)
-        assert float(np.max(np.abs(got - want))) <= 1e-6 * scale, name
+    _assert_state_close(dict(np.load(two_ranks["out"] / "rank0.npz")), one_process.state_dict())
+
+
+def test_sharded_state_gives_the_unsharded_results_with_half_the_moments_per_rank(two_ranks_sharded, two_ranks,
+                                                                                  one_process):
+    """Each rank updates half the parameters: the losses and the gathered state of the unsharded
+    ranks and of one process at the global batch, the same on both ranks after every step, and
+    each rank holds about half the optimizer moments (they add up to the unsharded rank's)."""
+    records, unsharded = two_ranks_sharded["records"], two_ranks["records"][0]
+    np.testing.assert_allclose(records[0]["losses"], unsharded["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(records[0]["losses"], one_process.losses, rtol=1e-6, atol=0)
+    assert records[0]["digests"] == records[1]["digests"] and len(records[0]["digests"]) == STEPS
+    state = dict(np.load(two_ranks_sharded["out"] / "rank0.npz"))
+    _assert_state_close(state, dict(np.load(two_ranks["out"] / "rank0.npz")))
+    _assert_state_close(state, one_process.state_dict())
+    graph = one_process.graph
+    moments = {n: a.nbytes for n, a in one_process.state_dict().items()
+               if graph.roles.get(n) == Role.OPTIMIZER_STATE and n not in (LR_INPUT, STEP_INPUT)}
+    replicated = unsharded["report"]["optimizer_state_bytes"] - sum(moments.values())  # lr and step
+    per_rank = [records[r]["report"]["optimizer_state_bytes"] - replicated for r in (0, 1)]
+    assert records[0]["report"]["shard_optimizer_state"] and not unsharded["report"]["shard_optimizer_state"]
+    assert sum(per_rank) == sum(moments.values())
+    assert abs(per_rank[0] - per_rank[1]) <= max(moments.values())  # contiguous groups of about equal bytes
+    report = records[0]["report"]
+    assert report["allreduce_bytes"] == unsharded["report"]["allreduce_bytes"]  # every gradient, to its owner
+    assert report["allgather_bytes"] == report["allreduce_bytes"] and unsharded["report"]["allgather_bytes"] == 0
+
+
+def test_buckets_reduced_while_the_backward_runs_hide_some_communication(two_ranks_sharded):
+    """With the backward in several blocks, the gradients of the first blocks are reduced while
+    the later ones run (asynchronous collectives, waited for at the cut): part of the
+    communication time is hidden, and the results above are those of the one-phase reduction."""
+    for record in two_ranks_sharded["records"].values():
+        report = record["report"]
+        assert 0.0 < report["comm_overlap_fraction"] < 1.0
+        assert report["comm_time_s"] > 0
+
+
+def test_checkpoint_from_two_sharded_ranks_resumes_in_one_process(two_ranks_sharded):
+    trainer, batches = _trainer()
+    trainer.load(two_ranks_sharded["out"] / "checkpoint.npz")  # the whole state: rank 1's moments too
+    assert trainer.steps_done == 2
+    inputs, targets = batches[2]
+    loss = trainer.step(*inputs, *targets)
+    np.testing.assert_allclose(loss, two_ranks_sharded["records"][0]["losses"][2], rtol=1e-6, atol=0)
+
+
+def test_each_rank_graph_updates_its_own_parameters_and_holds_the_other_gradients_to_the_cut(one_process):
+    """The per-rank graphs of two ranks: every parameter updated by exactly one, moments only
+    where updated, each other gradient read by one release node placed first after the cut."""
+    from ort_offload.distributed import gradients_first
+    from ort_offload.sharding import RELEASE_PREFIX, partition_parameters, rank_graph
+
+    graph, state = one_process.graph, one_process.state_dict()
+    shards = partition_parameters(graph, {n: a.nbytes for n, a in state.items()}, 2)
+    updated = []
+    for rank in (0, 1):
+        mine = rank_graph(graph, shards, rank)
+        params = [n for n in mine.state_pairs if mine.roles[n] == Role.PARAM]
+        assert sorted(params) == sorted(shards.owned(rank)) and params
+        updated += params
+        moments = {n for n in mine.state_inputs
+                   if mine.roles[n] == Role.OPTIMIZER_STATE and n not in (LR_INPUT, STEP_INPUT)}
+        assert moments == {m for p in params for m in shards.moments[p]}
+        released = [n for n in mine.model.graph.node if n.name.startswith(RELEASE_PREFIX)]
+        assert sorted(n.input[0] for n in released) == sorted(g for g, r in shards.grad_owner.items() if r != rank)
+        order = gradients_first(mine.model, mine)
+        assert all(mine.model.graph.node[i].name.startswith(RELEASE_PREFIX)
+                   for i in order.schedule[order.cut:order.cut + len(released)])
+    assert sorted(updated) == sorted(shards.owner)
 
 
 def test_ranks_hold_bitwise_identical_state_after_every_step(two_ranks):
@@ -160,16 +243,17 @@ def test_ranks_with_different_budgets_are_refused_at_start(tmp_path):
 
 
 def test_torchrun_trains_the_cli_model_and_rank_zero_writes_the_report(two_ranks, tmp_path):
-    """``torchrun --nproc-per-node 2 -m ort_offload train``, under a budget that makes the ranks
-    swap (gradients are averaged wherever they are): the global losses of the unbudgeted run."""
+    """``torchrun --nproc-per-node 2 -m ort_offload train --shard-optimizer-state``, under a
+    budget that makes the ranks swap (gradients are reduced wherever they are, parameters
+    gathered wherever they live): the global losses of the unbudgeted, unsharded run."""
     report_path = tmp_path / "report.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
                "-m", "ort_offload", "train", "--model", "gpt", "--config", "tiny", "--batch", "8", "--steps", "2",
-               "--budget", "0.5x", "--json", str(report_path), "--quiet"]
+               "--budget", "0.5x", "--shard-optimizer-state", "--json", str(report_path), "--quiet"]
     done = subprocess.run(command, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(report_path.read_text())
-    assert report["world_size"] == 2 and report["rank"] == 0
+    assert report["world_size"] == 2 and report["rank"] == 0 and report["shard_optimizer_state"]
     assert "swap" in report["passes"] and report["within_budget"]
     np.testing.assert_allclose(report["losses"], two_ranks["records"][0]["losses"][:2], rtol=1e-6, atol=0)
 
