@@ -46,6 +46,7 @@ def create_ort_trainer(
     grad_clip_norm: float | None = None,
     accumulation_steps: int = 1,
     lr_scheduler: Any = None,
+    max_shapes: Mapping[str, Any] | None = None,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -59,7 +60,10 @@ def create_ort_trainer(
     :func:`ort_offload.offload`. ``grad_clip_norm`` clips the global gradient norm in the graph,
     ``accumulation_steps=k`` makes each ``step()`` a micro-batch and every k-th an update (the
     mean of the k gradients), ``lr_scheduler`` (any ``torch.optim.lr_scheduler`` object) sets
-    each update's learning rate and steps after it.
+    each update's learning rate and steps after it. ``max_shapes`` (inputs whose dynamic axes
+    vary): the largest batch, as input name -> shape and/or dynamic axis name -> size
+    (``{"seq": 512}``); it is planned first and a fraction budget is a fraction of its unplanned
+    peak (else of the first batch's), so every later batch up to it keeps the same bytes.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
     ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
@@ -81,7 +85,7 @@ def create_ort_trainer(
         if group is not None:
             raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
         if not isinstance(optimizer, str) or optimizer_options or grad_clip_norm is not None or \
-                accumulation_steps != 1 or lr_scheduler is not None:
+                accumulation_steps != 1 or lr_scheduler is not None or max_shapes is not None:
             raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
         return _blockwise_trainer(device, model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                                   lr=lr, name=name, cache_dir=cache_dir, stop_on_nonfinite=stop_on_nonfinite)
@@ -98,7 +102,7 @@ def create_ort_trainer(
     return _static_trainer(device, model, tuple(example_inputs), tuple(example_targets), config=config, group=group,
                            loss_fn=loss_fn, input_names=input_names, target_names=target_names,
                            dynamic_axes=dynamic_axes, passes=pass_list, name=name, cache_dir=cache_dir,
-                           stop_on_nonfinite=stop_on_nonfinite, loop=loop)
+                           stop_on_nonfinite=stop_on_nonfinite, loop=loop, max_shapes=max_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +142,7 @@ def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example
 
 def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_inputs: tuple, example_targets: tuple, *,
                     config, group, loss_fn, input_names, target_names, dynamic_axes, passes, name, cache_dir,
-                    stop_on_nonfinite: bool, loop: _LoopOptions) -> OrtTrainer:
+                    stop_on_nonfinite: bool, loop: _LoopOptions, max_shapes=None) -> OrtTrainer:
     """Export ``model``'s training step and build its trainer (one rank's, with a process group)."""
     trainer_class, rank_options = OrtTrainer, {}
     if group is not None:  # the examples are a global batch: the graph is this rank's shard's
@@ -177,5 +181,6 @@ def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_input
         loop=graphs,
         scheduler=loop.scheduler,
         param_order=order,
+        max_shapes=max_shapes,
         **rank_options,
     )
