@@ -17,7 +17,7 @@ import onnx
 
 from ort_offload.errors import InputMismatchError, ModelLoadError
 
-__all__ = ["BASIS_KEY", "BudgetBasis", "FIRST_BATCH", "MAX_SHAPES", "RECORDED", "max_batch",
+__all__ = ["BASIS_KEY", "BudgetBasis", "FIRST_BATCH", "MAX_SHAPES", "RECORDED", "basis_for", "max_batch",
            "recorded_basis", "record_basis"]
 
 BASIS_KEY = "ort_offload.budget_basis"  # model metadata: the original step's peak, written by transform
@@ -69,6 +69,25 @@ def recorded_basis(model: onnx.ModelProto) -> BudgetBasis | None:
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ModelLoadError(f"the graph's {BASIS_KEY} metadata is corrupt ({e}): transform the original graph again")
     return BudgetBasis(peak, RECORDED, shapes)
+
+
+def basis_for(model: onnx.ModelProto, name: str, shapes: Mapping[str, tuple[int, ...]], *, fraction: bool
+              ) -> BudgetBasis | None:
+    """The original step's peak a planned graph records, where it was recorded at batch
+    ``shapes``; None for a graph never transformed, or (a budget in bytes) other shapes. A
+    ``fraction`` budget at other shapes has no peak to be a fraction of: InputMismatchError."""
+    basis = recorded_basis(model)
+    if basis is None:
+        return None
+    given = {n: tuple(s) for n, s in shapes.items() if n in basis.shapes}
+    if given == dict(basis.shapes):
+        return basis
+    if fraction:
+        raise InputMismatchError(
+            f"{name} was planned by ort-offload transform for {basis.describe_shapes()}, and a fraction budget is a "
+            f"fraction of the original step's peak at those shapes: use those shapes (--input), give the budget in "
+            "bytes, or transform the original graph again for these shapes")
+    return None
 
 
 def max_batch(example: Mapping[str, np.ndarray], declared: Mapping[str, tuple], max_shapes: Mapping[str, Any]

@@ -31,7 +31,7 @@ from ort_offload.errors import (
 )
 from ort_offload.export.training_step import export_forward
 from ort_offload.export.graph_inputs import check_batch, gather_index_limits
-from ort_offload.budget_basis import FIRST_BATCH, MAX_SHAPES, max_batch, recorded_basis
+from ort_offload.budget_basis import FIRST_BATCH, MAX_SHAPES, basis_for, max_batch
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime.runner import GraphRunner, Runtime
 from ort_offload.validation import check_learning_rate
@@ -163,20 +163,12 @@ class OrtTrainer:
         return self.runner.prepare(check_inputs(model, feeds), probe_feeds=feeds, basis_source=source)
 
     def _fix_recorded_basis(self, example_batch: Mapping[str, np.ndarray]) -> None:
-        """A planned graph's fraction budget resolves against the original step's peak, recorded
-        at the shapes it was planned for: other shapes have no recorded peak to resolve against."""
-        basis = recorded_basis(self.graph.model)
-        if basis is None:
-            return
-        shapes = {n: tuple(a.shape) for n, a in example_batch.items() if n in basis.shapes}
-        if shapes == dict(basis.shapes):
+        """A planned graph's fraction budget resolves against the original step's recorded peak."""
+        shapes = {n: a.shape for n, a in example_batch.items()}
+        basis = basis_for(self.graph.model, self.name, shapes, fraction=self.device.budget is not None
+                          and self.device.budget.is_fraction)
+        if basis is not None:
             self.runtime.fix_budget_basis(basis)
-        elif self.device.budget is not None and self.device.budget.is_fraction:
-            given = " ".join(f"{n}={'x'.join(map(str, s))}" for n, s in shapes.items())
-            raise InputMismatchError(
-                f"{self.name} was planned by ort-offload transform for {basis.describe_shapes()}, and a fraction budget "
-                f"is a fraction of the original step's peak at those shapes, not at {given}: run it with those "
-                "shapes (--input), give the budget in bytes, or transform the original graph again for these shapes")
 
     def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
         """The runner of the training step (data-parallel training runs its own)."""

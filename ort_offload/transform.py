@@ -25,8 +25,7 @@ from graph_passes.planning.swap.planner import placed_plan
 from graph_passes.ir.program import SwapOut
 from graph_passes.ir.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
-from ort_offload.budget_basis import FIRST_BATCH, BudgetBasis, record_basis, recorded_basis
-from ort_offload.errors import InputMismatchError
+from ort_offload.budget_basis import FIRST_BATCH, BudgetBasis, basis_for, record_basis
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.export.graph_inputs import random_batch, random_state
 from graph_passes.planning.driver import StepPlan, StepPlanner
@@ -62,7 +61,8 @@ def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str,
     feeds = {**random_state(graph), **batch}
     planner = StepPlanner(planning_target(graph, device, fetches=graph.step_fetches, passes=passes))
     batch_shapes = {n: tuple(a.shape) for n, a in batch.items()}
-    recorded = _recorded_basis(graph, device, batch_shapes)
+    recorded = basis_for(graph.model, graph.name, batch_shapes,
+                         fraction=device.budget is not None and device.budget.is_fraction)
     bases: list[BudgetBasis] = []
     budget: list[int | None] = []
 
@@ -74,24 +74,6 @@ def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str,
 
     plan = plan_or_raise(planner, check_inputs(graph.model, feeds), probe_feeds=feeds, resolve_budget=resolve_budget)
     return PlannedGraph(planner, plan, budget[-1], bases[0])
-
-
-def _recorded_basis(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]]
-                    ) -> BudgetBasis | None:
-    """The original step's peak a planned graph records, where it was recorded at ``shapes``;
-    a fraction budget for other shapes has nothing to be a fraction of (an error)."""
-    basis = recorded_basis(graph.model)
-    if basis is None:
-        return None
-    given = {n: s for n, s in shapes.items() if n in basis.shapes}
-    if given == dict(basis.shapes):
-        return basis
-    if device.budget is not None and device.budget.is_fraction:
-        raise InputMismatchError(
-            f"{graph.name} was planned by ort-offload transform for {basis.describe_shapes()}, and a fraction budget is "
-            f"a fraction of the original step's peak at those shapes: use those shapes (--input), give the budget in "
-            "bytes, or transform the original graph again for these shapes")
-    return None
 
 
 def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]],
