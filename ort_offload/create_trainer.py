@@ -85,8 +85,11 @@ def create_ort_trainer(
         if group is not None:
             raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
         if not isinstance(optimizer, str) or optimizer_options or grad_clip_norm is not None or \
-                accumulation_steps != 1 or lr_scheduler is not None or max_shapes is not None:
+                accumulation_steps != 1 or lr_scheduler is not None:
             raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
+        if max_shapes is not None:
+            raise InputMismatchError("max_shapes is for static models: a dynamic model's fraction budget is of its "
+                                     "first batch's no-offload peak; drop max_shapes or give the budget in bytes")
         return _blockwise_trainer(device, model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                                   lr=lr, name=name, cache_dir=cache_dir, stop_on_nonfinite=stop_on_nonfinite)
     if example_inputs is None:

@@ -77,3 +77,13 @@ def test_max_shapes_name_inputs_or_dynamic_axes():
                          ({"seq": 0}, "at least 1"), ({"ids": "4x32"}, "whole sizes")):
         with pytest.raises(InputMismatchError, match=message):
             max_batch(example, GPT_DECLARED, bad)
+
+
+def test_max_shapes_on_a_dynamic_model_is_refused_with_what_to_do():
+    import ort_offload
+    from models import get_dynamic_model
+
+    spec = get_dynamic_model("var-lstm", "tiny")
+    device = ort_offload.set_offload_device("cpu", budget="0.5x")
+    with pytest.raises(InputMismatchError, match="max_shapes is for static models"):
+        ort_offload.create_ort_trainer(device, spec.model, loss_fn=spec.loss_fn, max_shapes={"seq": 64})
