@@ -384,6 +384,8 @@ def _train(args) -> int:
     lengths = _seq_lengths(args) or [None] * args.steps
     inputs, targets = _batch(spec, args, 0, lengths[0])
     options = {"lr": args.lr} if args.lr is not None else {}
+    if args.seq_range and any("seq" in axes.values() for axes in spec.dynamic_axes.values()):
+        options["max_shapes"] = {"seq": max(lengths)}  # a fraction budget is of the longest batch's peak
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=inputs, example_targets=targets,
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,

@@ -47,6 +47,7 @@ def create_ort_trainer(
     accumulation_steps: int = 1,
     lr_scheduler: Any = None,
     shard_optimizer_state: bool = False,
+    max_shapes: Mapping[str, Any] | None = None,
     **optimizer_options,
 ) -> OrtTrainer:
     """A trainer for ``model`` on ``device``.
@@ -60,7 +61,10 @@ def create_ort_trainer(
     :func:`ort_offload.offload`. ``grad_clip_norm`` clips the global gradient norm in the graph,
     ``accumulation_steps=k`` makes each ``step()`` a micro-batch and every k-th an update (the
     mean of the k gradients), ``lr_scheduler`` (any ``torch.optim.lr_scheduler`` object) sets
-    each update's learning rate and steps after it.
+    each update's learning rate and steps after it. ``max_shapes`` (inputs whose dynamic axes
+    vary): the largest batch, as input name -> shape and/or dynamic axis name -> size
+    (``{"seq": 512}``); it is planned first and a fraction budget is a fraction of its unplanned
+    peak (else of the first batch's), so every later batch up to it keeps the same bytes.
     Raises :class:`BudgetTooSmallError` before any step if the budget cannot hold the step.
     ``stop_on_nonfinite``: a step with a NaN or infinite loss or update raises
     :class:`NonFiniteError` with the state unchanged (else it is counted in the report).
@@ -86,6 +90,9 @@ def create_ort_trainer(
         if not isinstance(optimizer, str) or optimizer_options or grad_clip_norm is not None or \
                 accumulation_steps != 1 or lr_scheduler is not None:
             raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
+        if max_shapes is not None:
+            raise InputMismatchError("max_shapes is for static models: a dynamic model's fraction budget is of its "
+                                     "first batch's no-offload peak; drop max_shapes or give the budget in bytes")
         return _blockwise_trainer(device, model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                                   lr=lr, name=name, cache_dir=cache_dir, stop_on_nonfinite=stop_on_nonfinite)
     if example_inputs is None:
@@ -102,7 +109,7 @@ def create_ort_trainer(
                            loss_fn=loss_fn, input_names=input_names, target_names=target_names,
                            dynamic_axes=dynamic_axes, passes=pass_list, name=name, cache_dir=cache_dir,
                            stop_on_nonfinite=stop_on_nonfinite, loop=loop,
-                           shard_optimizer_state=bool(shard_optimizer_state))
+                           shard_optimizer_state=bool(shard_optimizer_state), max_shapes=max_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +149,8 @@ def _blockwise_trainer(device: OffloadDevice, model: torch.nn.Module, *, example
 
 def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_inputs: tuple, example_targets: tuple, *,
                     config, group, loss_fn, input_names, target_names, dynamic_axes, passes, name, cache_dir,
-                    stop_on_nonfinite: bool, loop: _LoopOptions, shard_optimizer_state: bool = False) -> OrtTrainer:
+                    stop_on_nonfinite: bool, loop: _LoopOptions, shard_optimizer_state: bool = False,
+                    max_shapes=None) -> OrtTrainer:
     """Export ``model``'s training step and build its trainer (one rank's, with a process group)."""
     trainer_class, rank_options = OrtTrainer, {}
     if group is not None:  # the examples are a global batch: the graph is this rank's shard's
@@ -182,5 +190,6 @@ def _static_trainer(device: OffloadDevice, model: torch.nn.Module, example_input
         loop=graphs,
         scheduler=loop.scheduler,
         param_order=order,
+        max_shapes=max_shapes,
         **rank_options,
     )

@@ -41,6 +41,7 @@ REPORT_KEYS = (
     "nonfinite_steps",  # extension: steps whose loss or updated state held NaN or inf
     "accounted_peak_bytes",  # extension: arena extent + running block's workspace, as plans count them
     "device_overhead_bytes",  # extension: device memory taken before the first tensor (CUDA context, handles); None on the CPU
+    "budget_resolved_against",  # extension: a fraction budget's basis: {source, shapes, peak_bytes}; None for bytes
 )
 
 

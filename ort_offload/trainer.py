@@ -32,6 +32,7 @@ from ort_offload.errors import (
 )
 from ort_offload.export.training_step import export_forward
 from ort_offload.export.graph_inputs import check_batch, gather_index_limits
+from ort_offload.budget_basis import FIRST_BATCH, MAX_SHAPES, basis_for, max_batch
 from ort_offload.report import REPORT_KEYS
 from ort_offload.runtime.runner import GraphRunner, Runtime
 from ort_offload.validation import check_learning_rate
@@ -88,6 +89,7 @@ class OrtTrainer:
         loop: loop_graphs.LoopGraphs | None = None,
         scheduler: torch_optim.Scheduler | None = None,
         param_order: Sequence[str] | None = None,
+        max_shapes: Mapping[str, Any] | None = None,
     ) -> None:
         """Place ``initial_state`` on the device and check the budget for ``example_batch``.
 
@@ -98,7 +100,11 @@ class OrtTrainer:
         of the state it updates); otherwise such steps are counted in ``report()``.
         ``loop``: how ``graph`` (``loop.update``) accumulates and clips; ``scheduler`` sets the
         learning rate of each update; ``param_order``: parameter names in the optimizer's order
-        (the torch-format checkpoint's indices).
+        (the torch-format checkpoint's indices). ``max_shapes``: the largest batch shapes
+        (input name -> shape, or dynamic axis name -> size; :func:`~ort_offload.budget_basis.max_batch`):
+        planned first, and a fraction budget is resolved against their unplanned peak instead of
+        ``example_batch``'s. A graph ``ort-offload transform`` planned resolves it against the
+        original graph's peak recorded in its metadata.
         """
         self.device = device
         self.graph = graph
@@ -132,9 +138,7 @@ class OrtTrainer:
         # (runner, batch signature) -> its checked program, at state version _prepare_cache_version
         self._prepare_cache: dict[tuple, Any] = {}
         self._prepare_cache_version = -1
-        check_batch(example_batch, {})
-        feeds = {**initial_state, **example_batch}
-        prepared = self.runner.prepare(check_inputs(graph.model, feeds), probe_feeds=feeds)
+        prepared = self._plan_first(initial_state, example_batch, max_shapes)
         self.runtime.place_state(
             initial_state, prepared.program.state_inputs, self.runner.capacity_for(prepared),
             host=prepared.program.host_state,
@@ -142,6 +146,30 @@ class OrtTrainer:
         # Batch inputs that index a table (token ids into an embedding): their valid range.
         self._index_limits = gather_index_limits(graph.model, {n: self.runtime.info(n).shape for n in graph.state_inputs},
                                                  self.batch_names)
+
+    def _plan_first(self, initial_state, example_batch: Mapping[str, np.ndarray], max_shapes):
+        """Plan the largest shapes (where given: a fraction budget resolves against their peak),
+        then the example batch; the example's program."""
+        check_batch(example_batch, {})
+        self._fix_recorded_basis(example_batch)
+        model = self.graph.model
+        source = FIRST_BATCH
+        if max_shapes:
+            largest = max_batch(example_batch, self.runner.declared_inputs, max_shapes)
+            source = MAX_SHAPES
+            if any(largest[n].shape != a.shape for n, a in example_batch.items()):
+                largest_feeds = {**initial_state, **check_batch(largest, {})}
+                self.runner.prepare(check_inputs(model, largest_feeds), probe_feeds=largest_feeds, basis_source=source)
+        feeds = {**initial_state, **example_batch}
+        return self.runner.prepare(check_inputs(model, feeds), probe_feeds=feeds, basis_source=source)
+
+    def _fix_recorded_basis(self, example_batch: Mapping[str, np.ndarray]) -> None:
+        """A planned graph's fraction budget resolves against the original step's recorded peak."""
+        shapes = {n: a.shape for n, a in example_batch.items()}
+        basis = basis_for(self.graph.model, self.name, shapes, fraction=self.device.budget is not None
+                          and self.device.budget.is_fraction)
+        if basis is not None:
+            self.runtime.fix_budget_basis(basis)
 
     def _make_runner(self, graph: TrainingGraph) -> GraphRunner:
         """The runner of the training step (data-parallel training runs its own)."""
@@ -205,12 +233,12 @@ class OrtTrainer:
 
         With ``accumulation_steps=k`` each call is one micro-batch and every k-th call updates."""
         feeds = self._feeds(batch, self.batch_names)
+        prepared = self._prepare(self.runner, feeds)  # a new shape's budget error comes before any state changes
         last = self._micro + 1 >= self.accumulation_steps
         if last and self.scheduler is not None:
             self.lr = self.scheduler.lr
         if self.accumulation_steps > 1:
             self.runtime.write(loop_graphs.APPLY_INPUT, np.array(float(last), dtype=np.float32))
-        prepared = self._prepare(self.runner, feeds)
         before = {n: self.runtime.read(n) for n in self.graph.state_pairs} if self.stop_on_nonfinite else None
         outputs = self.runner.run(feeds, prepared)
         self.last_outputs = outputs  # what the step fetched: the loss, and gradients a graph outputs
@@ -367,11 +395,13 @@ class OrtTrainer:
         peak = stats.measured_device_bytes if stats.measured_device_bytes is not None else accounted
         overhead = self.runtime.backend.overhead_bytes if self.runtime.backend.used_bytes is not None else None
         recompute = self.runner.recompute.summary()
+        basis = self.runtime.budget_basis  # the peak a fraction budget was resolved against
+        fraction = self.device.budget is not None and self.device.budget.is_fraction
         report = {
             "model": self.name,
             "device": self.device.kind,
             "budget_bytes": budget,
-            "baseline_peak_bytes": self.runner.baseline_peak_bytes,
+            "baseline_peak_bytes": basis.peak_bytes if basis is not None else self.runner.baseline_peak_bytes,
             "peak_device_bytes": peak,
             "within_budget": None if peak is None else (budget is None or peak <= budget),
             "steps": self._step_count,
@@ -394,6 +424,7 @@ class OrtTrainer:
             "nonfinite_steps": len(self.nonfinite_steps),
             "accounted_peak_bytes": accounted,
             "device_overhead_bytes": overhead,
+            "budget_resolved_against": basis.as_report() if fraction and basis is not None else None,
         }
         assert tuple(report) == REPORT_KEYS
         if overhead is not None:  # extension: what each block session holds (CUDA library handles)

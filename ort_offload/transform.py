@@ -12,6 +12,7 @@ import collections
 import dataclasses
 from typing import Any, Mapping
 
+import onnx
 import onnx_ir as ir
 
 from custom_ops.registry import DOMAIN
@@ -19,10 +20,12 @@ from graph_passes.ir.shapes import check_inputs
 from graph_passes.planning.recompute.graph_pass import PASS_KEY as PROVENANCE_KEY
 from graph_passes.planning.recompute.graph_pass import PASS_NAME as RECOMPUTE_PASS
 from graph_passes.planning.swap.graph_pass import SwapPass
+from graph_passes.planning.swap.nodes import canonicalize, has_swap_nodes
 from graph_passes.planning.swap.planner import placed_plan
 from graph_passes.ir.program import SwapOut
 from graph_passes.ir.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
+from ort_offload.budget_basis import FIRST_BATCH, BudgetBasis, basis_for, record_basis
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.export.graph_inputs import random_batch, random_state
 from graph_passes.planning.driver import StepPlan, StepPlanner
@@ -44,6 +47,7 @@ class PlannedGraph:
     planner: StepPlanner
     plan: StepPlan
     budget_bytes: int | None
+    basis: BudgetBasis  # the unplanned peak a fraction budget resolves against (a planned graph's: recorded)
 
 
 def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]],
@@ -53,21 +57,31 @@ def plan_graph(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str,
     (its Splits would run as copies), so a split plan written into it would not keep the
     budget it was checked for."""
     passes = tuple(p for p in passes if p != "split")
-    feeds = {**random_state(graph), **random_batch(graph, shapes)}
+    batch = random_batch(graph, shapes)
+    feeds = {**random_state(graph), **batch}
     planner = StepPlanner(planning_target(graph, device, fetches=graph.step_fetches, passes=passes))
+    batch_shapes = {n: tuple(a.shape) for n, a in batch.items()}
+    recorded = basis_for(graph.model, graph.name, batch_shapes,
+                         fraction=device.budget is not None and device.budget.is_fraction)
+    bases: list[BudgetBasis] = []
     budget: list[int | None] = []
 
     def resolve_budget(peak: int) -> int | None:
-        budget.append(None if device.budget is None else device.budget.resolve(peak))
+        if not bases:
+            bases.append(recorded or BudgetBasis(peak, FIRST_BATCH, batch_shapes))
+        budget.append(None if device.budget is None else device.budget.resolve(bases[0].peak_bytes))
         return budget[-1]
 
     plan = plan_or_raise(planner, check_inputs(graph.model, feeds), probe_feeds=feeds, resolve_budget=resolve_budget)
-    return PlannedGraph(planner, plan, budget[-1])
+    return PlannedGraph(planner, plan, budget[-1], bases[0])
 
 
 def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, tuple[int, ...]],
               passes: tuple[str, ...]) -> TransformResult:
-    """The graph rewritten with the plan for ``device``'s budget, and a report of what changed."""
+    """The graph rewritten with the plan for ``device``'s budget, and a report of what changed.
+    A graph planned before (swap nodes) is planned anew from its standard-op form, the original
+    graph; a fraction budget is a fraction of the original's peak, recorded in its metadata."""
+    graph = _without_swaps(graph)
     planned = plan_graph(graph, device, shapes, passes)
     plan, budget = planned.plan, planned.budget_bytes
     choice = plan.choice
@@ -88,13 +102,14 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
             source = node.input[0]
             for out in node.output:
                 roles.setdefault(out, roles.get(source.split("__")[0], Role.ACTIVATION))
+    model = _copy(model)  # (the planner's own graph where nothing was rewritten)
+    record_basis(model, planned.basis)  # run/transform of the output resolve fractions against it
     rewritten = TrainingGraph(model, roles, dict(graph.state_pairs), name=graph.name)
-    baseline = planned.planner.baseline_trace
     profile = planned.planner.target.profile()
     report = {
         "model": graph.name,
         "budget_bytes": budget,
-        "baseline_peak_bytes": baseline.peak_device_bytes,
+        "baseline_peak_bytes": planned.basis.peak_bytes,
         "planned_peak_bytes": choice.trace.peak_device_bytes,
         "planning_profile": profile.name if choice.swap_plan is not None else None,
         "blocks": len(choice.program.blocks),
@@ -112,6 +127,22 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
 
         report.update(expected_step(planned.planner, plan, budget))
     return TransformResult(rewritten, plan, report)
+
+
+def _without_swaps(graph: TrainingGraph) -> TrainingGraph:
+    """``graph`` without the swap nodes an earlier transform wrote (the values keep their names)."""
+    if not has_swap_nodes(graph.model):
+        return graph
+    model, _ = canonicalize(graph.model)
+    names = {v for n in model.graph.node for v in (*n.input, *n.output)} | {v.name for v in model.graph.input}
+    roles = {n: r for n, r in graph.roles.items() if n in names}
+    return TrainingGraph(model, roles, dict(graph.state_pairs), name=graph.name)
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 def _swap_rows(graph: TrainingGraph, plan: StepPlan, placed) -> list[dict]:

@@ -368,10 +368,22 @@ def replayed_need(plan: StepPlan, budget: int, alignment: int) -> int | None:
     return need if need <= budget and trace.peak_device_bytes <= budget else None
 
 
-def describe_infeasible(infeasible: Infeasible, graph_name: str) -> str:
-    """The one-line message for a budget no plan fits: the least budget and what was tried."""
+def describe_infeasible(infeasible: Infeasible, graph_name: str, *, fixed_plan: bool = False) -> str:
+    """The one-line message for a budget no plan fits: the least budget and what was tried.
+
+    ``fixed_plan``: the graph carries its own plan (swap nodes from ``ort-offload transform``),
+    so no passes apply and asking for some would not help. Where no least budget is known above
+    the budget (the search found none), none is stated."""
     offered = [PASSES[p].used_as for p in PASSES if p in infeasible.passes]
-    how = f"with {' and '.join(offered)}" if offered else "without offload passes (try --passes auto)"
-    needed = infeasible.needed_bytes
-    return (f"budget {format_bytes(infeasible.budget_bytes)} is below the {format_bytes(needed)} ({needed} bytes) "
-            f"{graph_name} needs {how}; raise the budget to at least that{infeasible.bottleneck}")
+    if fixed_plan:
+        how, other = ("with the swaps written into it (a planned graph runs its own plan: no passes apply)",
+                      ", or transform the original graph again for this budget")
+    elif offered:
+        how, other = f"with {' and '.join(offered)}", ""
+    else:
+        how, other = "without offload passes", " (or plan with --passes auto)"
+    needed, budget = infeasible.needed_bytes, format_bytes(infeasible.budget_bytes)
+    if needed <= infeasible.budget_bytes:  # a planner's least need it found no plan for: not a minimum
+        return f"no plan of {graph_name} {how} fits the budget {budget}; raise the budget{other}{infeasible.bottleneck}"
+    return (f"budget {budget} is below the {format_bytes(needed)} ({needed} bytes) {graph_name} needs {how}; "
+            f"raise the budget to at least that{other}{infeasible.bottleneck}")

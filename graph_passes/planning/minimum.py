@@ -55,6 +55,9 @@ def least_budget(accepts: Callable[[int], int | None], *, refused: int, estimate
     search.probes[refused] = None
     alignment = max(1, alignment)
     high = _first_accepted(search, max(estimate, refused + 1), ceiling, alignment, max_probes)
+    if high is None and ceiling not in search.probes and ceiling > refused and search(ceiling) is not None:
+        # The probes ran out on the way up (an estimate far below) and the ceiling plans: bisect below it.
+        high, max_probes = ceiling, len(search.probes) + 48
     if high is None:
         return None, search
     if high - alignment > search.refused_below(high):

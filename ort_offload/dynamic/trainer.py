@@ -33,6 +33,7 @@ from ort_offload.dynamic.blockwise import BlockStepCache, HostExecutor, default_
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.dynamic.runtime import BlockRuntime
 from ort_offload.errors import InputMismatchError, NonFiniteError
+from ort_offload.budget_basis import FIRST_BATCH
 from ort_offload.report import REPORT_KEYS
 from ort_offload.validation import check_learning_rate
 from pilot.prediction import NoPredictor, PathPredictor
@@ -133,6 +134,7 @@ class BlockwiseTrainer:
         self.cache = cache if cache is not None else BlockStepCache(cache_dir=cache_dir)
         self.runtime: BlockRuntime | None = None
         self.baseline_peak_bytes: int | None = None
+        self._first_shapes: dict[str, list[int]] = {}  # batch shapes the baseline was measured at
         self.budget_bytes: int | None = None
         self.losses: list[float] = []
         self.step_times: list[float] = []
@@ -172,12 +174,20 @@ class BlockwiseTrainer:
             unwrap_blocks(self.model)
             runtime.close()
 
+    def _resolved_against(self) -> dict | None:
+        """A fraction budget's basis: the no-offload peak of the first batch."""
+        budget = None if self.device is None else self.device.budget
+        if budget is None or not budget.is_fraction or self.baseline_peak_bytes is None:
+            return None
+        return {"source": FIRST_BATCH, "shapes": dict(self._first_shapes), "peak_bytes": self.baseline_peak_bytes}
+
     def _ensure_runtime(self, inputs, targets) -> None:
         if self.device is None or self.runtime is not None:
             return
         budget = self.device.budget
         if self.measure_baseline or (budget is not None and budget.is_fraction):
             self.baseline_peak_bytes = self._measure_baseline(inputs, targets)
+            self._first_shapes = {f"input{i}": list(getattr(t, "shape", ())) for i, t in enumerate((*inputs, *targets))}
         self.budget_bytes = None if budget is None else budget.resolve(self.baseline_peak_bytes or 0)
         self.runtime = self._make_runtime(self.budget_bytes, self.residency, self.predictor)
         wrap_blocks(self.model, self.blocks, cache=self.cache, executor=self.runtime)
@@ -273,6 +283,7 @@ class BlockwiseTrainer:
             "nonfinite_steps": len(self.nonfinite_steps),
             "accounted_peak_bytes": peak,
             "device_overhead_bytes": None,
+            "budget_resolved_against": self._resolved_against(),
         }
         assert tuple(report) == REPORT_KEYS
         steps = stats.steps if stats else 0

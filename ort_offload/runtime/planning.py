@@ -62,7 +62,8 @@ def plan_or_raise(planner: StepPlanner, input_infos, *, probe_feeds, resolve_bud
                             resolve_budget=functools.partial(_less, resolve_budget, reserve))
         if isinstance(plan, Infeasible):
             if not reserve:
-                raise BudgetTooSmallError(describe_infeasible(plan, name), needed_bytes=plan.needed_bytes,
+                raise BudgetTooSmallError(describe_infeasible(plan, name, fixed_plan=planner.target.swap_points is not None),
+                                          needed_bytes=plan.needed_bytes,
                                           budget_bytes=plan.budget_bytes)
             needed = plan.needed_bytes + reserve
             raise BudgetTooSmallError(

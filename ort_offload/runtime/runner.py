@@ -33,6 +33,7 @@ from graph_passes.ir.training_graph import TrainingGraph
 from ort_offload.runtime.arena import DeviceArena, OutOfArenaMemory, make_policy
 from ort_offload.runtime.block_session import BlockSession, block_content_key, block_model, default_session_options
 from ort_offload.budget import format_bytes
+from ort_offload.budget_basis import FIRST_BATCH, BudgetBasis
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.runtime.device_backend import DeviceBackend, make_backend
 from ort_offload.runtime.device_memory import all_finite
@@ -98,6 +99,7 @@ class Runtime:
         self.host = HostStore(self.backend.memory.host_empty)
         self.arena: DeviceArena | None = None
         self.budget_bytes: int | None = None if device.budget is None else device.budget.nbytes
+        self.budget_basis: BudgetBasis | None = None  # the unplanned peak fractions resolve against
         self.stats = RuntimeStats()
         self.copy_engine = self.backend.h2d  # swap-ins
         # Changes whenever a state tensor's dtype or shape may have changed (new placement, a
@@ -121,11 +123,22 @@ class Runtime:
         # On a GPU the host only launches kernels: a spinning pool would take cores for nothing.
         return default_session_options(intra_op_threads=threads, spinning=spinning and self.device.kind == "cpu")
 
-    def resolve_budget(self, baseline_peak_bytes: int) -> int | None:
-        """Bytes of the budget; a fraction resolves against the first unplanned peak seen."""
+    def resolve_budget(self, baseline_peak_bytes: int, *, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                       source: str = FIRST_BATCH) -> int | None:
+        """Bytes of the budget. A fraction resolves once, against :attr:`budget_basis`: the
+        basis fixed before planning (:meth:`fix_budget_basis`), else the first unplanned peak
+        seen (``baseline_peak_bytes``, at batch ``shapes``, from ``source``)."""
+        if self.budget_basis is None:
+            self.budget_basis = BudgetBasis(baseline_peak_bytes, source, dict(shapes or {}))
         if self.budget_bytes is None and self.device.budget is not None:
-            self.budget_bytes = self.device.budget.resolve(baseline_peak_bytes)
+            self.budget_bytes = self.device.budget.resolve(self.budget_basis.peak_bytes)
         return self.budget_bytes
+
+    def fix_budget_basis(self, basis: BudgetBasis) -> None:
+        """Resolve fractions against ``basis`` (a planned graph's recorded peak); before any planning."""
+        if self.budget_basis is not None:
+            raise ValueError("the budget basis is fixed when the first graph is planned")
+        self.budget_basis = basis
 
     def place_state(
         self, state: Mapping[str, np.ndarray], order: Sequence[str], capacity: int, *, host: Sequence[str] = ()
@@ -240,11 +253,13 @@ class GraphRunner:
 
     # ---- planning --------------------------------------------------------------------------
 
-    def prepare(self, input_infos: Mapping[str, TensorInfo], *, probe_feeds=None) -> PreparedStep:
+    def prepare(self, input_infos: Mapping[str, TensorInfo], *, probe_feeds=None,
+                basis_source: str = FIRST_BATCH) -> PreparedStep:
         """Lower and check the graph for these input shapes (cached per signature).
 
         ``probe_feeds``: input values for shape probes, or a function returning them (called
-        only when this signature is new)."""
+        only when this signature is new). ``basis_source``: what these shapes are, should a
+        fraction budget resolve against their unplanned peak (the first signature planned)."""
         signature = tuple(sorted((n, i.dtype.str, i.shape) for n, i in input_infos.items()))
         prepared = self._prepared.get(signature)
         if prepared is not None:
@@ -255,7 +270,7 @@ class GraphRunner:
         self.runtime.stats.plans_made += 1
         start = time.perf_counter()
         with collection_paused():
-            prepared = self._prepare_signature(signature, input_infos, probe_feeds)
+            prepared = self._prepare_signature(signature, input_infos, probe_feeds, basis_source)
         self._prepared[signature] = prepared
         self._prepared_by_id[id(prepared)] = prepared
         self.last_trace = prepared.trace
@@ -278,10 +293,13 @@ class GraphRunner:
         self.last_prepared = prepared
         return prepared
 
-    def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds) -> PreparedStep:
+    def _prepare_signature(self, signature, input_infos: Mapping[str, TensorInfo], probe_feeds,
+                           basis_source: str) -> PreparedStep:
         """What ``prepare`` does for a signature not seen before: plan, or say what budget would do."""
+        shapes = {n: input_infos[n].shape for n in self.graph.data_inputs if n in input_infos}
         plan = plan_or_raise(self.planner, input_infos, probe_feeds=probe_feeds,
-                             resolve_budget=self.runtime.resolve_budget,
+                             resolve_budget=functools.partial(self.runtime.resolve_budget, shapes=shapes,
+                                                              source=basis_source),
                              session_bytes=self.runtime.backend.session_bytes)
         choice = plan.choice
         return PreparedStep(signature, plan.infos, choice.program, choice.trace, choice.passes, choice.base,
@@ -390,6 +408,7 @@ class GraphRunner:
     def _run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         runtime = self.runtime
         arena = runtime.arena
+        self._place_state_for(prepared.program)
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
         if not arena.eager:
             arena.reserve(prepared.trace.arena_high_water)
@@ -421,6 +440,21 @@ class GraphRunner:
             measured = runtime.backend.used_bytes()
             runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
         return execution.fetched
+
+    def _place_state_for(self, program: Program) -> None:
+        """Put the state where ``program``'s plan expects it before it runs: the state it keeps
+        on the host out of the arena, the state it keeps resident into it. Another signature's
+        plan may have left it elsewhere, and the plan's budget counts only its own placement."""
+        arena, host = self.runtime.arena, self.runtime.host
+        with self.runtime.backend.on_compute_stream():
+            for name in program.host_state:
+                if name in arena:
+                    host.put(name, arena.read(name))
+                    arena.free(name)
+            for name in program.state_inputs:
+                if name not in arena and name in host:
+                    arena.store(name, host.get(name))
+                    host.discard(name)
 
     def _abort(self, program: Program, *, cause: BaseException) -> None:
         """Free a failed step's temporaries; fail loudly (naming ``cause``) if state was

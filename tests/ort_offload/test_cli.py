@@ -327,3 +327,54 @@ def test_zoo_writes_no_file_it_was_not_told_to(tmp_path, monkeypatch, capsys):
     assert run_cli("zoo", "--quick", "--quiet", "--baseline", baseline) == 0
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["baseline.json", "kept"]
     assert f"baseline updated: {baseline}" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def planned_mlp(tmp_path_factory):
+    """mlp's step exported, and transformed for 0.5x of its peak: (original, planned, transform report)."""
+    folder = tmp_path_factory.mktemp("planned")
+    source, planned, report_path = folder / "mlp.onnx", folder / "mlp_planned.onnx", folder / "t.json"
+    assert run_cli("export", "--model", "mlp", "-o", source) == 0
+    assert run_cli("transform", source, "-o", planned, "--budget", "0.5x", "--input", "x=8x32", "--input", "y=8",
+                   "--report", report_path) == 0
+    return source, planned, json.loads(report_path.read_text())
+
+
+def test_run_of_a_planned_graph_resolves_a_fraction_against_the_original_peak(planned_mlp, tmp_path):
+    _, planned, transformed = planned_mlp
+    assert transformed["swaps"] and transformed["budget_bytes"] == transformed["baseline_peak_bytes"] // 2
+    report_path = tmp_path / "r.json"
+    assert run_cli("run", planned, "--budget", "0.5x", "--steps", "2", "--input", "x=8x32", "--input", "y=8",
+                   "--json", report_path, "--quiet") == 0
+    report = json.loads(report_path.read_text())
+    assert report["budget_bytes"] == transformed["budget_bytes"]  # the same bytes the transform planned for
+    assert report["baseline_peak_bytes"] == transformed["baseline_peak_bytes"]  # the original step's
+    assert report["budget_resolved_against"] == {"source": "recorded by transform", "shapes": {"x": [8, 32], "y": [8]},
+                                                 "peak_bytes": transformed["baseline_peak_bytes"]}
+    assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+def test_a_planned_graph_below_its_own_plan_names_a_remedy_that_works(planned_mlp, tmp_path, capsys):
+    source, planned, _ = planned_mlp
+    args = ("--budget", "0.3x", "--input", "x=8x32", "--input", "y=8")
+    err = _expect_error(capsys, "run", planned, "--steps", "1", *args, message="transform the original graph again")
+    assert "--passes" not in err  # passes are forced to none on a graph that carries swap nodes
+    for passes in ("auto", "none"):  # what --passes asks for does not change it
+        assert _expect_error(capsys, "run", planned, "--steps", "1", "--passes", passes, *args,
+                             message="transform the original graph again") == err
+    # The remedy: transforming again (the planned file or the original) plans 0.3x of the original peak.
+    again, fresh = tmp_path / "again.json", tmp_path / "fresh.json"
+    assert run_cli("transform", planned, "-o", tmp_path / "again.onnx", *args, "--report", again) == 0
+    assert run_cli("transform", source, "-o", tmp_path / "fresh.onnx", *args, "--report", fresh) == 0
+    again, fresh = json.loads(again.read_text()), json.loads(fresh.read_text())
+    assert again["budget_bytes"] == fresh["budget_bytes"] and again["baseline_peak_bytes"] == fresh["baseline_peak_bytes"]
+    assert again["planned_peak_bytes"] <= again["budget_bytes"] and again["swaps"]
+    assert run_cli("run", tmp_path / "again.onnx", "--steps", "1", *args, "--quiet") == 0
+
+
+def test_a_fraction_for_other_shapes_than_a_graph_was_planned_for_is_refused(planned_mlp, capsys):
+    _, planned, _ = planned_mlp
+    _expect_error(capsys, "run", planned, "--budget", "0.5x", "--steps", "1", "--input", "x=4x32", "--input", "y=4",
+                  message="planned by ort-offload transform for x=8x32 y=8")
+    assert run_cli("run", planned, "--budget", "10MiB", "--steps", "1", "--input", "x=4x32", "--input", "y=4",
+                   "--quiet") == 0  # bytes mean the same at any shape

@@ -4,6 +4,8 @@ monotone in the budget."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from graph_passes.planning.minimum import least_budget
 
 
@@ -47,3 +49,33 @@ def test_plans_not_monotone_within_one_percent_are_searched_below():
     assert found == 1975
     assert accepts(int(found * 0.99)) is None
     assert all(need is None for budget, need in search.probes.items() if budget < found)
+
+
+def test_an_estimate_far_below_still_finds_the_least_budget_under_the_ceiling():
+    # 64 probes climbing by 1/16 from 1,000 bytes reach ~50 KB: short of the 10 MB ceiling.
+    found, search = least_budget(threshold(5_000_000), refused=1, estimate=1000, ceiling=10_000_000, alignment=64)
+    assert found == 5_000_000
+    assert search.refused_below(found) >= found - 64
+
+
+def _stated_minimum(message: str) -> int | None:
+    import re
+
+    match = re.search(r"\((\d+) bytes\)", message)
+    return int(match.group(1)) if match else None
+
+
+def test_an_infeasible_message_never_states_a_minimum_at_or_below_the_budget():
+    from graph_passes.planning.choice import Infeasible
+    from graph_passes.planning.driver import describe_infeasible
+
+    # The H200 run's case: a least need the planner found no plan for, below the budget.
+    below = Infeasible(402_653_184, 977_079_719, ("swap", "split"), " (splitting stops at a load or fetch)")
+    message = describe_infeasible(below, "cnn")
+    assert "is below" not in message and _stated_minimum(message) is None
+    assert message.startswith("no plan of cnn with swapping and splitting fits the budget 931.82 MiB")
+    above = Infeasible(1_000_000, 500_000, ("swap",))
+    assert _stated_minimum(describe_infeasible(above, "cnn")) == 1_000_000 > above.budget_bytes
+    for infeasible in (below, above):  # one line, and no pass to try where the graph runs its own plan
+        fixed = describe_infeasible(dataclasses.replace(infeasible, passes=()), "g", fixed_plan=True)
+        assert "--passes" not in fixed and "transform the original graph again" in fixed and "\n" not in fixed
