@@ -52,9 +52,9 @@ RESULT_PREFIX = "gpu_ort_mimose"
 DEFAULT_STEPS = 60
 
 
-def export(directory: Path, config: str) -> None:
+def export(directory: Path, config: str, *, use_cache: bool = False) -> None:
     """bert's training step, sequence axis dynamic (the zoo's ``dynamic_axes``)."""
-    gpu_ort.export_graphs(directory, config, models=("bert",))
+    gpu_ort.export_graphs(directory, config, models=("bert",), use_cache=use_cache)
 
 
 @dataclasses.dataclass(frozen=True)
