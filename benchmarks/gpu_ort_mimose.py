@@ -346,6 +346,15 @@ def _check(parser, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "run" and args.device == "cuda":
+        from ort_offload.errors import UnknownDeviceError
+        from ort_offload.runtime.device_backend import check_cuda
+
+        try:
+            check_cuda(0)
+        except UnknownDeviceError as e:
+            print(f"gpu_ort_mimose: {e}", file=sys.stderr)
+            return 2
     if args.command == "export":
         export(args.graphs, args.config)
         return 0

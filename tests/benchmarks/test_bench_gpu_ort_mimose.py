@@ -61,16 +61,17 @@ def test_the_speed_up_and_the_epoch_by_length_add_up(cpu_run):
         assert sum(r["epoch_s"][name] for r in ranges) == pytest.approx(row["epoch_s"])
 
 
-def _row(name: str, losses: list[float], *, steps: int | None = None, digest: str = "d") -> dict:
+def _row(name: str, losses: list[float], *, epoch_steps: int | None = None) -> dict:
+    """A row that ran ``len(losses)`` steps of an epoch of ``epoch_steps`` (default: all of them)."""
     per_step = [{"length": 16 + k, "wall_s": 1.0, "run_s": 1.0, "prepare_s": 0.0, "new_plan": False,
                  "recomputed_nodes": 0} for k in range(len(losses))]
-    done = len(losses) if steps is None else steps
-    return {"row": name, "steps_done": done, "complete": done == len(losses), "losses": losses,
-            "per_step": per_step, "state_digest": digest, "within_budget": True}
+    complete = len(losses) == (epoch_steps or len(losses))
+    return {"row": name, "steps_done": len(losses), "complete": complete, "losses": losses,
+            "per_step": per_step, "state_digest": "digest", "within_budget": True}
 
 
 def test_rows_cut_short_are_compared_over_the_steps_all_ran():
-    rows = [_row("unplanned", [1.0, 2.0, 3.0]), _row("static", [1.0, 2.0, 3.0]), _row("input_aware", [1.0, 2.0], steps=2)]
+    rows = [_row("unplanned", [1.0, 2.0, 3.0]), _row("static", [1.0, 2.0, 3.0]), _row("input_aware", [1.0, 2.0], epoch_steps=3)]
     result = gpu_ort_mimose.compare(rows, None)
     assert result["steps_compared"] == 2 and result["complete"] is False
     assert all(len(r["losses"]) == 2 for r in rows)
@@ -95,4 +96,14 @@ def test_bad_arguments_exit_with_one_line_before_running(tmp_path, argv, capsys)
         gpu_ort_mimose.main(["run", "--graphs", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o"), *argv])
     assert exited.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()[-1]) > 0
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_cuda_device_without_a_gpu_is_one_line_before_running(tmp_path, capsys):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here")
+    assert gpu_ort_mimose.main(["run", "--graphs", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
