@@ -10,8 +10,10 @@ Two phases, as ``benchmarks.gpu_ort`` (the lent GPU machine has another torch an
 ``export`` writes bert's training step with the batch and sequence axes dynamic (the zoo's
 ``dynamic_axes``), so one file serves every length. ``run`` rebuilds the torch model from the
 zoo for the initial values and trains one epoch of ``--steps`` batches, lengths drawn from
-16..256 with the longest first (``benchmarks.mimose.lengths_for``), once per row, each row in
-its own process (the device counter is per process: another trainer's arenas would be counted):
+16..256 with the longest first (``benchmarks.mimose.lengths_for``; ``--epochs`` passes over the
+same batches: from the second on every length is prepared, as in a long training run), once per
+row, each row in its own process (the device counter is per process: another trainer's arenas
+would be counted):
 
 - **unplanned**: no budget (each new length gets its own unplanned program);
 - **static**: ``recompute_policy="static"``: the plan made for the first (longest) batch serves
@@ -23,7 +25,7 @@ setting) of the unplanned peak at the longest length, resolved by the runtime as
 would be. Per row: epoch time (run plus preparation of new lengths), the steps by length range,
 recomputed nodes run, block sessions held, the measured peak (the device counter on CUDA) against
 the budget, and the losses and a digest of the final state compared bitwise with the unplanned
-row and between the two policies. A row stops early at its share of ``--time-limit``; the
+row and between the two policies; the same per pass over the batches. A row stops early at its share of ``--time-limit``; the
 comparison then covers the steps every row ran. Table and ``OUT/gpu_ort_mimose_<device>.json``.
 """
 
@@ -46,9 +48,10 @@ POLICIES = {"unplanned": None, "static": "static", "input_aware": "input_aware"}
 BUDGET_FRACTIONS = {mimose.FULL.config: mimose.FULL.budget_fraction, mimose.QUICK.config: mimose.QUICK.budget_fraction}
 TARGET_SPEEDUP = 1.15  # issue 22: what torch's version of the same plans reached at batch 128
 RESULT_PREFIX = "gpu_ort_mimose"
-# A guess until a GPU has run it: ~100-200 ms a step of ours for bert small on an H100 or H200
-# (ORT's kernels one by one, ~3,000 nodes, the planned rows more), plus the planning of each new
-# length (~0.1-0.2 s on this CPU): ~60 steps keep a row near 30 s and the three under ~90 s.
+# A guess until a GPU has run it: a step of ours for bert small ~50-100 ms on an H100 or H200
+# (2,551 ORT nodes launched one by one, more where recomputed), plus ~0.1-0.3 s preparing each
+# new length (CPU work: 0.2-0.5 s on this loaded 2-core machine), plus ~15 s of setup per row:
+# 60 steps keep a row near 30 s.
 DEFAULT_STEPS = 60
 
 
@@ -69,6 +72,7 @@ class Epoch:
     budget_fraction: float
     time_limit_s: float
     batch: int | None = None
+    epochs: int = 1  # passes over the same batches: from the second on, every length is prepared
 
 
 def epoch_feeds(spec, epoch: Epoch) -> list[dict]:
@@ -113,14 +117,14 @@ def train_row(row: str, epoch: Epoch) -> dict:
     trainer = make_trainer(row, epoch, feeds)
     setup_s = time.perf_counter() - started
     steps = []
-    for feed in feeds:
+    for index, feed in ((e, f) for e in range(epoch.epochs) for f in feeds):
         if time.perf_counter() - started > epoch.time_limit_s:
             break
-        steps.append(_step(trainer, feed))
+        steps.append({"epoch": index, **_step(trainer, feed)})
     report = trainer.report()
     return {
         "row": row, "policy": POLICIES[row], "setup_s": setup_s, "steps_done": len(steps),
-        "complete": len(steps) == len(feeds), "budget_bytes": report["budget_bytes"],
+        "complete": len(steps) == len(feeds) * epoch.epochs, "budget_bytes": report["budget_bytes"],
         "peak_device_bytes": report["peak_device_bytes"], "within_budget": report["within_budget"],
         "device_overhead_bytes": report.get("device_overhead_bytes"), "block_sessions": trainer.runner.session_count,
         "recompute": trainer.runner.recompute.summary(), "losses": [s.pop("loss") for s in steps],
@@ -161,7 +165,7 @@ def spawn_row(row: str, epoch: Epoch, out: Path, log) -> dict:
     command = [sys.executable, "-m", "benchmarks.gpu_ort_mimose", "row", "--row", row, "--graphs", str(epoch.graphs),
                "--config", epoch.config, "--device", epoch.device, "--steps", str(epoch.steps),
                "--seed", str(epoch.seed), "--budget-fraction", str(epoch.budget_fraction),
-               "--time-limit", str(epoch.time_limit_s), "--out", str(part)]
+               "--time-limit", str(epoch.time_limit_s), "--epochs", str(epoch.epochs), "--out", str(part)]
     if epoch.batch is not None:
         command += ["--batch", str(epoch.batch)]
     grace = 120.0  # the process's start, the device's, and the row's first length
@@ -224,9 +228,26 @@ def compare(rows: list[dict], epoch: Epoch) -> dict:
         "all_bitwise_equal": all(r["losses_bitwise_equal"] and r["state_bitwise_equal"] is not False for r in rows),
         "all_within_budget": all(r["within_budget"] is True for r in (static, aware)),
         "by_length": mimose._by_length(by_row) if common else [],
+        "by_epoch": _by_epoch(by_row),
         "target_speedup": TARGET_SPEEDUP,
         "target_met": speedup is not None and speedup >= TARGET_SPEEDUP,
     }
+
+
+def _by_epoch(by_row: dict) -> list[dict]:
+    """Per pass over the batches (within the compared steps): each row's seconds and preparation,
+    and static over input-aware. From the second pass on every length is prepared: what is left
+    is the plans' run time, as over a long training run."""
+    passes = sorted({s["epoch"] for s in by_row["unplanned"]["per_step"]})
+    result = []
+    for index in passes:
+        steps = {row: [s for s in r["per_step"] if s["epoch"] == index] for row, r in by_row.items()}
+        epoch_s = {row: sum(s["wall_s"] for s in v) for row, v in steps.items()}
+        result.append({"epoch": index, "steps": len(steps["unplanned"]), "epoch_s": epoch_s,
+                       "prepare_s": {row: sum(s["prepare_s"] for s in v) for row, v in steps.items()},
+                       "speedup_epoch": _ratio(epoch_s["static"], epoch_s["input_aware"]),
+                       "speedup_ceiling_epoch": _ratio(epoch_s["static"], epoch_s["unplanned"])})
+    return result
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -279,6 +300,11 @@ def table(result: dict) -> list[str]:
                  f"{'met' if result['target_met'] else 'NOT met'}), run {result['speedup_run']:.3f}x, run where "
                  f"neither made a new plan {_num(result['speedup_run_existing_plans'])}x; ceiling (static / unplanned) "
                  f"{result['speedup_ceiling_epoch']:.3f}x; policies bitwise equal {result['policies_bitwise_equal']}")
+    for r in result["by_epoch"]:
+        e = r["epoch_s"]
+        lines.append(f"  pass {r['epoch'] + 1} over the batches: {r['steps']} steps, epoch s unplanned / static / "
+                     f"input-aware {e['unplanned']:.2f} / {e['static']:.2f} / {e['input_aware']:.2f}, "
+                     f"{_num(r['speedup_epoch'])}x (preparation {r['prepare_s']['input_aware']:.2f} s input-aware)")
     for r in result["by_length"]:
         if r["steps"]:
             e, n = r["epoch_s"], r["recomputed_nodes_per_step"]
@@ -294,7 +320,8 @@ def _num(value) -> str:
 
 def _epoch(args) -> Epoch:
     return Epoch(graphs=args.graphs, config=args.config, device=args.device, steps=args.steps, seed=args.seed,
-                 budget_fraction=args.budget_fraction, time_limit_s=args.time_limit, batch=args.batch)
+                 budget_fraction=args.budget_fraction, time_limit_s=args.time_limit, batch=args.batch,
+                 epochs=args.epochs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -311,6 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"batches in the epoch (default {DEFAULT_STEPS})")
         p.add_argument("--batch", type=int, default=None, help="batch size (default: the config's)")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--epochs", type=int, default=1,
+                       help="passes over the same batches (default 1; the second on runs every length prepared)")
         p.add_argument("--budget-fraction", type=float, default=None,
                        help="of the unplanned peak at the longest length (default: the CPU benchmark's, "
                             + ", ".join(f"{c} {f}" for c, f in BUDGET_FRACTIONS.items()) + ")")
@@ -332,6 +361,8 @@ def _check(parser, args) -> None:
         return
     if args.steps < 2:
         parser.error(f"--steps must be at least 2, got {args.steps}")
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, got {args.epochs}")
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     if args.budget_fraction is None:

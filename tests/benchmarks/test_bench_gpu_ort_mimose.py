@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import gpu_ort_mimose, mimose
 
-STEPS = 5
+STEPS, EPOCHS = 4, 2
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def cpu_run(tmp_path_factory):
     graphs, out = tmp_path_factory.mktemp("graphs"), tmp_path_factory.mktemp("out")
     gpu_ort_mimose.export(graphs, "tiny", use_cache=True)
     assert gpu_ort_mimose.main(["run", "--graphs", str(graphs), "--config", "tiny", "--device", "cpu",
-                                "--steps", str(STEPS), "--out", str(out)]) == 0
+                                "--steps", str(STEPS), "--epochs", str(EPOCHS), "--out", str(out)]) == 0
     return json.loads((out / "gpu_ort_mimose_cpu.json").read_text())
 
 
@@ -26,7 +26,7 @@ def test_the_policies_run_the_epoch_within_budget_and_bitwise(cpu_run):
     result = cpu_run
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == ["unplanned", "static", "input_aware"]
-    assert result["complete"] and result["steps_compared"] == STEPS
+    assert result["complete"] and result["steps_compared"] == STEPS * EPOCHS
     assert result["lengths"][0] == max(result["lengths"]) == mimose.MAX_LENGTH
     assert result["settings"]["budget_fraction"] == mimose.QUICK.budget_fraction  # tiny: the CPU benchmark's
     budget = rows["static"]["budget_bytes"]
@@ -35,7 +35,7 @@ def test_the_policies_run_the_epoch_within_budget_and_bitwise(cpu_run):
         row = rows[name]
         assert row["within_budget"] is True and row["peak_device_bytes"] <= budget
         assert row["losses_bitwise_equal"] is True and row["state_bitwise_equal"] is True
-        assert [s["length"] for s in row["per_step"]] == result["lengths"]
+        assert [s["length"] for s in row["per_step"]] == result["lengths"] * EPOCHS
         assert row["recompute"]["policy"] == name
     assert result["policies_bitwise_equal"] is True and result["all_bitwise_equal"] is True
     assert result["all_within_budget"] is True
@@ -56,14 +56,21 @@ def test_the_speed_up_and_the_epoch_by_length_add_up(cpu_run):
     assert result["speedup_epoch"] == pytest.approx(rows["static"]["epoch_s"] / rows["input_aware"]["epoch_s"])
     assert result["target_met"] == (result["speedup_epoch"] >= gpu_ort_mimose.TARGET_SPEEDUP)
     ranges = result["by_length"]
-    assert sum(r["steps"] for r in ranges) == STEPS
+    assert sum(r["steps"] for r in ranges) == STEPS * EPOCHS
     for name, row in rows.items():
         assert sum(r["epoch_s"][name] for r in ranges) == pytest.approx(row["epoch_s"])
+    passes = result["by_epoch"]
+    assert [(p["epoch"], p["steps"]) for p in passes] == [(k, STEPS) for k in range(EPOCHS)]
+    for name, row in rows.items():
+        assert sum(p["epoch_s"][name] for p in passes) == pytest.approx(row["epoch_s"])
+        assert passes[0]["prepare_s"][name] > 0  # new lengths prepared
+        assert passes[1]["prepare_s"][name] == 0.0  # every length prepared in the first pass
+    assert passes[1]["speedup_epoch"] == pytest.approx(passes[1]["epoch_s"]["static"] / passes[1]["epoch_s"]["input_aware"])
 
 
 def _row(name: str, losses: list[float], *, epoch_steps: int | None = None) -> dict:
     """A row that ran ``len(losses)`` steps of an epoch of ``epoch_steps`` (default: all of them)."""
-    per_step = [{"length": 16 + k, "wall_s": 1.0, "run_s": 1.0, "prepare_s": 0.0, "new_plan": False,
+    per_step = [{"epoch": 0, "length": 16 + k, "wall_s": 1.0, "run_s": 1.0, "prepare_s": 0.0, "new_plan": False,
                  "recomputed_nodes": 0} for k in range(len(losses))]
     complete = len(losses) == (epoch_steps or len(losses))
     return {"row": name, "steps_done": len(losses), "complete": complete, "losses": losses,
@@ -89,7 +96,7 @@ def test_a_loss_that_differs_and_a_failed_row_are_reported():
     assert failed == {"complete": False, "failed_rows": ["static"]}
 
 
-@pytest.mark.parametrize("argv", [["--steps", "1"], ["--budget-fraction", "1.5"], ["--config", "tiny12"],
+@pytest.mark.parametrize("argv", [["--steps", "1"], ["--epochs", "0"], ["--budget-fraction", "1.5"], ["--config", "tiny12"],
                                   ["--time-limit", "0"]])
 def test_bad_arguments_exit_with_one_line_before_running(tmp_path, argv, capsys):
     with pytest.raises(SystemExit) as exited:
