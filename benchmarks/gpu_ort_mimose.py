@@ -194,7 +194,7 @@ def run_row(args) -> int:
     return 0
 
 
-def compare(rows: list[dict], epoch: Epoch) -> dict:
+def compare(rows: list[dict]) -> dict:
     """The rows over the steps every one of them ran: epoch times and their ratios, the steps by
     length range, bitwise equality of losses (and of the final state where every row finished)."""
     by_row = {r["row"]: r for r in rows}
@@ -268,7 +268,7 @@ def run(args, log=print) -> int:
                            "lengths": f"{mimose.MIN_LENGTH}..{mimose.MAX_LENGTH}, first step the longest",
                            "epoch_s": "sum of step wall times (run + preparation of new lengths)"},
               "lengths": mimose.lengths_for(share.steps, share.seed)}
-    result.update(compare(rows, share))
+    result.update(compare(rows))
     result["rows"] = rows
     out_path = args.out / f"{RESULT_PREFIX}_{gpu_ort._device_name(args.device)}.json"
     out_path.write_text(json.dumps(result, indent=1, default=gpu_ort._json_default) + "\n")

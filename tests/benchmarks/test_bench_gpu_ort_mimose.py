@@ -79,7 +79,7 @@ def _row(name: str, losses: list[float], *, epoch_steps: int | None = None) -> d
 
 def test_rows_cut_short_are_compared_over_the_steps_all_ran():
     rows = [_row("unplanned", [1.0, 2.0, 3.0]), _row("static", [1.0, 2.0, 3.0]), _row("input_aware", [1.0, 2.0], epoch_steps=3)]
-    result = gpu_ort_mimose.compare(rows, None)
+    result = gpu_ort_mimose.compare(rows)
     assert result["steps_compared"] == 2 and result["complete"] is False
     assert all(len(r["losses"]) == 2 for r in rows)
     assert all(r["state_bitwise_equal"] is None for r in rows)  # final states of different steps
@@ -88,11 +88,10 @@ def test_rows_cut_short_are_compared_over_the_steps_all_ran():
 
 def test_a_loss_that_differs_and_a_failed_row_are_reported():
     rows = [_row("unplanned", [1.0, 2.0]), _row("static", [1.0, 2.5]), _row("input_aware", [1.0, 2.0])]
-    result = gpu_ort_mimose.compare(rows, None)
+    result = gpu_ort_mimose.compare(rows)
     assert result["all_bitwise_equal"] is False and result["policies_bitwise_equal"] is False
     assert rows[1]["losses_bitwise_equal"] is False and rows[2]["state_bitwise_equal"] is True
-    failed = gpu_ort_mimose.compare([_row("unplanned", [1.0]), {"row": "static", "error": "E"}, _row("input_aware", [1.0])],
-                                    None)
+    failed = gpu_ort_mimose.compare([_row("unplanned", [1.0]), {"row": "static", "error": "E"}, _row("input_aware", [1.0])])
     assert failed == {"complete": False, "failed_rows": ["static"]}
 
 
