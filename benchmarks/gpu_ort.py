@@ -49,7 +49,9 @@ TIME_SHARE = {"gpt": 0.62, "cnn": 0.38}  # of --time-limit, per model process
 LR = 1e-3
 
 
-def export_graphs(directory: Path, config: str, models=MODELS) -> None:
+def export_graphs(directory: Path, config: str, models=MODELS, *, use_cache: bool = False) -> None:
+    """Each model's training step as ``directory/<model>-<config>.onnx`` (``use_cache``: through
+    the export cache, as the tests do; a GPU run's files are exported afresh)."""
     from models import get_model
     from ort_offload.export.training_step import export_training_step
 
@@ -61,7 +63,7 @@ def export_graphs(directory: Path, config: str, models=MODELS) -> None:
         result = export_training_step(
             spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn,
             optimizer="adamw", input_names=spec.input_names, target_names=spec.target_names,
-            dynamic_axes=spec.dynamic_axes, name=name, use_cache=False,
+            dynamic_axes=spec.dynamic_axes, name=name, use_cache=use_cache,
         )
         path = result.graph.save(directory / f"{name}-{config}.onnx")
         print(f"{name} {config}: {len(result.graph.graph.node)} nodes, {path.stat().st_size} bytes, "

@@ -60,8 +60,9 @@ class _Chain:
 
 
 def _chain(sub: onnx.ModelProto, block_inputs) -> _Chain | None:
-    """The host-slot computation of ``sub``, or None where it has none or it reads a block
-    input's data that is not an integer (left on the device as it is)."""
+    """The host-slot computation of ``sub``, or None where it has none, reads no block input's
+    data (shapes and constants only), or reads a block input's data that is not an integer
+    (left on the device as it is)."""
     nodes = list(sub.graph.node)
     block_inputs = set(block_inputs)
     initializers = {t.name for t in sub.graph.initializer}
@@ -86,6 +87,10 @@ def _chain(sub: onnx.ModelProto, block_inputs) -> _Chain | None:
                 shaped.update(i for i in node.input[:1] if i and i not in initializers)
             else:
                 stack.extend(i for i in node.input if i)
+    if not inputs:
+        # Computed from shapes and constants alone: ORT computes it on the host itself, as in a
+        # whole-graph session; folding it would make one session per input shape.
+        return None
     return _Chain(tuple(dict.fromkeys(slots)), tuple(nodes[i] for i in sorted(needed)), frozenset(inputs),
                   frozenset(shaped - inputs))  # an input read whole gives its own shape
 

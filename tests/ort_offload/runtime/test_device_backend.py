@@ -14,7 +14,7 @@ import pytest
 
 import ort_offload
 from graph_passes.ir.shapes import TensorInfo
-from helpers import train_ort
+from helpers import batches, train_ort
 from ort_offload.runtime import runner as runtime_module
 from ort_offload.runtime.arena import DeviceArena
 from ort_offload.runtime.host_slots import HostSlots, signature_values
@@ -168,6 +168,24 @@ def test_swapped_runs_through_the_stream_path_move_bytes():
     # Blocks cut between a shape computation and its Reshape read the shape folded in, once
     # per signature (the values follow from the input shapes).
     assert run.trainer.runner.host_value_cache
+
+
+@pytest.mark.parametrize("policy", ["static", "input_aware"])
+def test_variable_lengths_through_the_stream_path_are_bitwise_with_one_session_per_block(policy):
+    data = batches("bert", 4, seq_lengths=[64, 40, 24, 56])
+    options = dict(optimizer="adamw", steps=4, budget="0.62x", passes="recompute", data=data, recompute_policy=policy)
+    reference = train_ort("bert", **options)
+    with stream_path():
+        run = train_ort("bert", **options)
+    assert run.trainer.report()["within_budget"]
+    assert run.trainer.runner.recompute.summary()["policy"] == policy
+    assert any(p.recomputed_nodes for p in run.trainer.runner.prepared_steps())
+    assert run.losses == reference.losses
+    for name, value in reference.state.items():
+        np.testing.assert_array_equal(run.state[name], value, err_msg=name)
+    # Shapes that follow from the input shapes alone are ORT's to compute, as in a whole-graph
+    # session: no block holds one session per length (on CUDA each holds device memory).
+    assert run.trainer.runner.session_count == reference.trainer.runner.session_count
 
 
 def _model(text: str) -> onnx.ModelProto:
