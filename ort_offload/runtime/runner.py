@@ -485,12 +485,17 @@ class _StepExecution:
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
         self.leaving: dict[str, np.ndarray] = {}
+        # Swap-ins of at most this many bytes copy when issued (the device's choice), and wait
+        # in ``arrived`` to be counted as prefetch hits where a block first reads them.
+        self.inline_copy_bytes = runner.runtime.backend.inline_copy_bytes
+        self.arrived: set[str] = set()
         # Compaction moves bytes: no copy may be reading or writing arena memory while it does.
         self.arena.before_move = self._drain
 
     def _drain(self) -> None:
         """Every copy finished (swap-outs are released later, by :meth:`_reap`)."""
         self.stats.swap_time_s += self.copies.drain() + self.evictions.settle()
+        self.arrived.clear()  # as drain() consumes what was in flight: no prefetch hit counted later
 
     def finish(self) -> None:
         """End of the step (or of a failed one): every copy done and released, no hook left behind."""
@@ -562,7 +567,10 @@ class _StepExecution:
         for name in names:
             if name in self.leaving:  # on its way out (a plan would have swapped it back in)
                 self._release(name)
-            if self.copies.in_flight(name):
+            if name in self.arrived:  # copied when issued: it had arrived
+                self.arrived.discard(name)
+                self.stats.prefetch_hits += 1
+            elif self.copies.in_flight(name):
                 waited, arrived = self.copies.consume(name)
                 self.stats.swap_time_s += waited
                 self.stats.prefetch_hits += arrived
@@ -623,7 +631,7 @@ class _StepExecution:
         workspace = layout.block.workspace_bytes
         self.block = step.block
         self._cap(workspace)
-        if self.leaving or self.copies.pending() or not arena.holds_all(layout.inputs):
+        if self.leaving or self.arrived or self.copies.pending() or not arena.holds_all(layout.inputs):
             self._ensure_resident(layout.block.inputs, f"block {step.block}")
         if self.runner.before_block is not None:
             self.runner.before_block(self, step.block)
@@ -665,7 +673,7 @@ class _StepExecution:
         return values
 
     def fetch(self, step: Fetch) -> None:
-        if self.leaving or self.copies.pending() or step.name not in self.arena:
+        if self.leaving or self.arrived or self.copies.pending() or step.name not in self.arena:
             self._ensure_resident([step.name], f"fetch {step.name}")
         self.fetched[step.name] = self.arena.read(step.name)
         if step.free:
@@ -676,6 +684,7 @@ class _StepExecution:
         name = step.name
         if name not in self.arena or name in self.leaving:  # out already (another signature's plan)
             return
+        self.arrived.discard(name)
         if self.copies.in_flight(name):
             self.stats.swap_time_s += self.copies.wait(name)[0]
         if step.copy or name not in self.host:
@@ -702,9 +711,16 @@ class _StepExecution:
         if name not in self.arena:  # resident already if another signature's plan kept it
             self._cap(0)
             self._allocate(name, self.first_reader.get(id(step)))  # bytes reserved at issue
-            self.copies.submit(name, self.arena.uploader(name, self.host.get(name)))
+            nbytes = self.infos[name].nbytes
+            if nbytes <= self.inline_copy_bytes:  # copied now: handing it to a copy thread costs more
+                started = time.perf_counter()
+                self.arena.write(name, self.host.get(name))
+                self.stats.swap_time_s += time.perf_counter() - started
+                self.arrived.add(name)
+            else:
+                self.copies.submit(name, self.arena.uploader(name, self.host.get(name)))
             self.stats.swap_ins += 1
-            self.stats.swap_in_bytes += self.infos[name].nbytes
+            self.stats.swap_in_bytes += nbytes
             self._measure(0)
 
     def commit(self, step: Commit) -> None:
