@@ -37,6 +37,9 @@ class Placement(typing.NamedTuple):
     nbytes: int  # aligned size
 
 
+_new_tuple = tuple.__new__
+
+
 class BestFitAllocator:
     """Aligned best-fit placement in ``[0, capacity)``; ``capacity=None`` means unbounded."""
 
@@ -131,7 +134,7 @@ class BestFitAllocator:
         return self._record(name, offset, size)
 
     def _record(self, name: str, offset: int, size: int) -> Placement:
-        placement = Placement(offset, size)
+        placement = _new_tuple(Placement, (offset, size))  # Placement(offset, size), without its Python __new__
         self._placements[name] = placement
         self.in_use += size
         if self.in_use > self.peak_in_use:
