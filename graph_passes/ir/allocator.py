@@ -37,13 +37,19 @@ class Placement(typing.NamedTuple):
     nbytes: int  # aligned size
 
 
+_new_tuple = tuple.__new__
+
+
 class BestFitAllocator:
     """Aligned best-fit placement in ``[0, capacity)``; ``capacity=None`` means unbounded."""
 
     def __init__(self, capacity: int | None = None, *, alignment: int = DEFAULT_ALIGNMENT) -> None:
         self.capacity = capacity
         self.alignment = alignment
-        self._free: list[tuple[int, int]] = []  # sorted (offset, size) holes below self._top
+        # The holes below self._top, sorted by offset: their offsets and sizes (two lists, so
+        # that best fit searches the sizes in C: the runtime allocates hundreds of tensors a step).
+        self._starts: list[int] = []
+        self._sizes: list[int] = []
         self._top = 0  # end of the highest allocation ever extended to (current frontier)
         self._placements: dict[str, Placement] = {}
         self.in_use = 0
@@ -52,6 +58,19 @@ class BestFitAllocator:
 
     def __contains__(self, name: str) -> bool:
         return name in self._placements
+
+    @property
+    def _free(self) -> list[tuple[int, int]]:
+        """The holes as sorted (offset, size) pairs."""
+        return list(zip(self._starts, self._sizes))
+
+    def _add_hole(self, offset: int, size: int) -> None:
+        i = bisect.bisect_left(self._starts, offset)
+        self._starts.insert(i, offset)
+        self._sizes.insert(i, size)
+
+    def _pop_hole(self, i: int) -> tuple[int, int]:
+        return self._starts.pop(i), self._sizes.pop(i)
 
     def placement(self, name: str) -> Placement:
         return self._placed(name)
@@ -69,11 +88,11 @@ class BestFitAllocator:
     def names(self) -> list[str]:
         return list(self._placements)
 
-    def offsets(self, names) -> tuple[int, ...]:
-        """The offset of each of ``names`` (a step binds dozens of tensors per block: one call)."""
+    def addresses(self, names, base: int) -> tuple[int, ...]:
+        """``base`` + the offset of each of ``names`` (the pointers a block binds)."""
         placements = self._placements
         try:
-            return tuple([placements[name].offset for name in names])
+            return tuple([base + placements[name][0] for name in names])
         except KeyError:
             missing = next(n for n in names if n not in placements)
             self._placed(missing)  # raises, naming it
@@ -85,33 +104,37 @@ class BestFitAllocator:
         frontier space there); only if none fits does the allocation go anywhere."""
         if name in self._placements:
             raise ValueError(f"{name!r} is already allocated")
-        size = align_up(nbytes, self.alignment)
+        alignment = self.alignment
+        size = max(alignment, (int(nbytes) + alignment - 1) // alignment * alignment)  # align_up, inlined
         if region is not None:
             offset = self._fit_in(size, *region)
             if offset is not None:
                 return self._place(name, offset, size)
-        best = None
-        for i, (offset, hole) in enumerate(self._free):
-            if hole >= size and (best is None or hole < self._free[best][1]):
-                best = i
-        if best is not None:
-            offset, hole = self._free.pop(best)
-            if hole > size:
-                bisect.insort(self._free, (offset + size, hole - size))
+        starts, sizes = self._starts, self._sizes
+        # Best fit: the smallest hole that fits (holes are never empty), the lowest offset
+        # among equal ones (list.index finds the first).
+        best_hole = min(filter(size.__le__, sizes), default=0)
+        if best_hole:
+            best = sizes.index(best_hole)
+            offset = starts.pop(best)
+            del sizes[best]
+            if best_hole > size:
+                self._add_hole(offset + size, best_hole - size)
         else:
             # Extend at the frontier, absorbing a trailing hole that touches it.
-            offset = self._top
-            if self._free and sum(self._free[-1]) == self._top:
-                offset = self._free.pop()[0]
+            top = offset = self._top
+            if starts and starts[-1] + sizes[-1] == top:
+                offset = starts.pop()
+                sizes.pop()
             if self.capacity is not None and offset + size > self.capacity:
-                if offset != self._top:  # put the trailing hole back
-                    bisect.insort(self._free, (offset, self._top - offset))
+                if offset != top:  # put the trailing hole back
+                    self._add_hole(offset, top - offset)
                 raise OutOfArenaMemory(name, size, self.in_use, self.capacity)
             self._top = offset + size
         return self._record(name, offset, size)
 
     def _record(self, name: str, offset: int, size: int) -> Placement:
-        placement = Placement(offset, size)
+        placement = _new_tuple(Placement, (offset, size))  # Placement(offset, size), without its Python __new__
         self._placements[name] = placement
         self.in_use += size
         if self.in_use > self.peak_in_use:
@@ -127,7 +150,7 @@ class BestFitAllocator:
         if self.capacity is not None:
             hi = min(hi, self.capacity)
         best = None  # (usable span, offset)
-        for offset, hole in self._free:
+        for offset, hole in zip(self._starts, self._sizes):
             start, end = max(offset, lo), min(offset + hole, hi)
             if end - start >= size and (best is None or end - start < best[0]):
                 best = (end - start, start)
@@ -143,36 +166,42 @@ class BestFitAllocator:
         end = offset + size
         if offset >= self._top:
             if offset > self._top:  # the gap below the tensor becomes (or extends) a hole
-                if self._free and sum(self._free[-1]) == self._top:
-                    start = self._free.pop()[0]
+                if self._starts and self._starts[-1] + self._sizes[-1] == self._top:
+                    start = self._pop_hole(-1)[0]
                 else:
                     start = self._top
-                self._free.append((start, offset - start))  # above every hole: stays sorted
+                self._add_hole(start, offset - start)  # above every hole: stays sorted
             self._top = end
         else:  # inside a hole: split it around the tensor
             i = next(k for k, (o, h) in enumerate(self._free) if o <= offset and end <= o + h)
-            o, h = self._free.pop(i)
+            o, h = self._pop_hole(i)
             if offset > o:
-                bisect.insort(self._free, (o, offset - o))
+                self._add_hole(o, offset - o)
             if o + h > end:
-                bisect.insort(self._free, (end, o + h - end))
+                self._add_hole(end, o + h - end)
         return self._record(name, offset, size)
 
     def free(self, name: str) -> None:
-        placement = self._placed(name)
-        del self._placements[name]
-        self.in_use -= placement.nbytes
-        start, end = placement.offset, placement.offset + placement.nbytes
-        i = bisect.bisect_left(self._free, (start, 0))
-        if i > 0 and sum(self._free[i - 1]) == start:  # merge with the hole before
+        placement = self._placements.pop(name, None)
+        if placement is None:
+            self._placed(name)  # raises, naming it
+        start, nbytes = placement
+        self.in_use -= nbytes
+        end = start + nbytes
+        starts, sizes = self._starts, self._sizes
+        i = bisect.bisect_left(starts, start)
+        if i > 0 and starts[i - 1] + sizes[i - 1] == start:  # merge with the hole before
             i -= 1
-            start = self._free.pop(i)[0]
-        if i < len(self._free) and self._free[i][0] == end:  # and the hole after
-            end = sum(self._free.pop(i))
+            start = starts.pop(i)
+            del sizes[i]
+        if i < len(starts) and starts[i] == end:  # and the hole after
+            del starts[i]
+            end += sizes.pop(i)
         if end == self._top:
             self._top = start  # the frontier retreats; no hole kept above it
         else:
-            self._free.insert(i, (start, end - start))
+            starts.insert(i, start)
+            sizes.insert(i, end - start)
 
     def partition(self, name: str, pieces) -> None:
         """``name``'s bytes become consecutive tensors ``pieces`` ((name, bytes) in order; every
@@ -237,7 +266,7 @@ class BestFitAllocator:
                 moves.append((name, placement.offset, cursor))
                 self._placements[name] = Placement(cursor, placement.nbytes)
             cursor += placement.nbytes
-        self._free = []
+        self._starts, self._sizes = [], []
         self._top = cursor
         return moves
 
@@ -247,7 +276,7 @@ class BestFitAllocator:
 
     def clone(self) -> "BestFitAllocator":
         other = BestFitAllocator(self.capacity, alignment=self.alignment)
-        other._free = list(self._free)
+        other._starts, other._sizes = list(self._starts), list(self._sizes)
         other._top = self._top
         other._placements = dict(self._placements)
         other.in_use, other.high_water, other.peak_in_use = self.in_use, self.high_water, self.peak_in_use

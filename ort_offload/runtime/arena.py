@@ -178,6 +178,22 @@ class DeviceArena:
         if not self.eager:
             self._back()
 
+    def allocate_all(self, tensors) -> None:
+        """Place each of ``tensors`` ((name, TensorInfo) pairs), in order, as :meth:`allocate`
+        with no region would (a block's outputs: one call)."""
+        if not self.eager:
+            for name, info in tensors:
+                self.allocate(name, info)
+            return
+        allocate, infos = self.allocator.allocate, self._infos
+        for name, info in tensors:
+            try:
+                allocate(name, info.nbytes)
+            except OutOfArenaMemory:  # nothing changed: grow or compact as allocate() does
+                self.allocate(name, info)
+                continue
+            infos[name] = info
+
     def allocate_view(self, name: str, info: TensorInfo, pieces, *, region: tuple[int, int] | None = None) -> None:
         """Place ``name`` and divide it into ``pieces`` ((name, TensorInfo) in order, back to
         back): a split view, written whole, read and freed piece by piece."""
@@ -205,12 +221,23 @@ class DeviceArena:
         self.allocator.free(name)
         del self._infos[name]
 
+    def free_all(self, names) -> None:
+        """:meth:`free` each of ``names``, in order."""
+        free, infos = self.allocator.free, self._infos
+        for name in names:
+            free(name)
+            del infos[name]
+
     def rename(self, old: str, new: str) -> None:
         self.allocator.rename(old, new)
         self._infos[new] = self._infos.pop(old)
 
     def __contains__(self, name: str) -> bool:
         return name in self._infos
+
+    def holds_all(self, names: frozenset[str]) -> bool:
+        """Whether every one of ``names`` is placed here (one set comparison)."""
+        return self._infos.keys() >= names
 
     def names(self) -> list[str]:
         return list(self._infos)
@@ -232,8 +259,7 @@ class DeviceArena:
 
     def pointers(self, names) -> tuple[int, ...]:
         """The address of each of ``names``, in order (what a block binds)."""
-        base = self._base
-        return tuple([base + offset for offset in self.allocator.offsets(names)])
+        return self.allocator.addresses(names, self._base)
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of the tensor."""

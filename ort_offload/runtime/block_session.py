@@ -96,20 +96,14 @@ class _Variant:
         # layout (pointers, shapes) -> the binding holding exactly those; oldest first
         self.bindings: dict[tuple, ort.IOBinding] = {}
 
-    def binding(self, layout: tuple, rebind) -> ort.IOBinding:
-        """The binding of ``layout``: a kept one, else one made (or the oldest, taken over)
-        by ``rebind(binding, previous layout or None)``, which binds what differs."""
-        binding = self.bindings.get(layout)
-        if binding is None:
-            previous = None
-            if len(self.bindings) < BINDINGS_PER_VARIANT:
-                binding = self.session.io_binding()
-            else:
-                previous = next(iter(self.bindings))
-                binding = self.bindings.pop(previous)
-            rebind(binding, previous)
-            self.bindings[layout] = binding
-        return binding
+    def spare_binding(self) -> tuple[ort.IOBinding, tuple | None]:
+        """A binding for a layout not kept: a new one (previous layout None) while fewer than
+        BINDINGS_PER_VARIANT are kept, else the oldest, taken over, with the layout it holds.
+        The caller binds what differs and files it under its layout in :attr:`bindings`."""
+        if len(self.bindings) < BINDINGS_PER_VARIANT:
+            return self.session.io_binding(), None
+        previous = next(iter(self.bindings))
+        return self.bindings.pop(previous), previous
 
 
 class BlockSession:
@@ -134,14 +128,21 @@ class BlockSession:
         """``sub``: the block's :func:`block_model`, where the caller has built it already."""
         self.block = block
         self.names: tuple[str, ...] = tuple(block.inputs) + tuple(block.outputs)  # bound, in this order
+        # The element type each of names is bound with: the block model declares it, so every
+        # signature the session serves binds the same one. As ONNX element types and as numpy
+        # dtypes (what every ONNX Runtime takes; _binds_take_elem_types says which to use).
+        self.elem_types: tuple[int, ...] = tuple(int(elem_types[n]) for n in self.names)
+        self.dtypes: tuple[np.dtype, ...] = tuple(
+            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t)) for t in self.elem_types)
         self._sub = sub if sub is not None else block_model(model, block, elem_types)
         self._options, self._providers = session_options, providers
         self._slots = HostSlots(self._sub, block.inputs) if fold_host_inputs else None
         if self._slots is not None and not self._slots.active:
             self._slots = None
         self._variants: dict[bytes, _Variant] = {}
+        self._single: _Variant | None = None  # the only variant, where nothing is folded
         if self._slots is None:
-            self._variants[b""] = _Variant(self._sub, block, session_options, providers)
+            self._variants[b""] = self._single = _Variant(self._sub, block, session_options, providers)
 
     @property
     def host_inputs(self) -> frozenset[str]:
@@ -180,33 +181,60 @@ class BlockSession:
                backend=None, host_values: Mapping[str, np.ndarray] | None = None) -> None:
         """:meth:`run` with the pointers and shapes of :attr:`names`, in that order (the
         runner's per-step path: nothing is bound where this layout was bound before)."""
-        variant = self._variant(host_values or {}, infos)
-        binding = variant.binding((pointers, shapes), lambda b, previous: self._bind(
-            b, previous, pointers, shapes, infos, backend))
-        run_options = None if backend is None else backend.run_options
-        variant.session.run_with_iobinding(binding, run_options)
+        variant = self._single or self._variant(host_values or {}, infos)
+        layout = (pointers, shapes)
+        binding = variant.bindings.get(layout)
+        if binding is None:
+            binding, previous = variant.spare_binding()
+            self._bind(binding, previous, pointers, shapes, backend)
+            variant.bindings[layout] = binding
+        variant.session.run_with_iobinding(binding, None if backend is None else backend.run_options)
 
-    def _bind(self, binding: ort.IOBinding, previous: tuple | None, pointers, shapes, infos, backend) -> None:
+    def _bind(self, binding: ort.IOBinding, previous: tuple | None, pointers, shapes, backend) -> None:
         """Bind into ``binding`` every name whose pointer or shape differs from ``previous``
         (the layout it holds; None: a fresh binding)."""
-        device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
-        # ONNX Runtime's C++ binding calls, where its Python wrapper exposes them: the wrapper
-        # makes an OrtDevice per call (~12 of ~15 µs a bind; a step binds hundreds of tensors).
-        raw = getattr(binding, "_iobinding", None)
-        if raw is not None:
-            c_device = _c_device(device, device_id)
-            bind_input, bind_output = (lambda name, elem, shape, ptr: raw.bind_input(name, c_device, elem, shape, ptr),
-                                       lambda name, elem, shape, ptr: raw.bind_output(name, c_device, elem, shape, ptr))
-        else:
-            bind_input, bind_output = (lambda name, elem, shape, ptr: binding.bind_input(name, device, device_id, elem, shape, ptr),
-                                       lambda name, elem, shape, ptr: binding.bind_output(name, device, device_id, elem, shape, ptr))
-        inputs = len(self.block.inputs)
-        for i, name in enumerate(self.names):
-            if previous is not None and previous[0][i] == pointers[i] and previous[1][i] == shapes[i]:
+        bind_input, bind_output, device = _binders(binding, backend)
+        names, inputs = self.names, len(self.block.inputs)
+        dtypes = self.elem_types if device is not None and _binds_take_elem_types() else self.dtypes
+        old_pointers, old_shapes = previous if previous is not None else ((), ())
+        for i, pointer in enumerate(pointers):
+            shape = shapes[i]
+            if old_pointers and old_pointers[i] == pointer and old_shapes[i] == shape:
                 continue
-            bind = bind_input if i < inputs else bind_output
-            bind(name, infos[name].dtype, list(shapes[i]), pointers[i])  # a numpy dtype: every ORT takes one
+            (bind_input if i < inputs else bind_output)(names[i], device, dtypes[i], shape, pointer)
 
+
+def _binders(binding: ort.IOBinding, backend):
+    """``binding``'s (bind_input, bind_output, device), each bind called as
+    ``bind(name, device, dtype, shape, pointer)``: ONNX Runtime's C++ binding calls where its
+    Python wrapper exposes them (the wrapper makes an OrtDevice per call: ~12 of ~15 µs a
+    bind, and a step binds hundreds of tensors), else the wrapper's."""
+    device, device_id = ("cpu", 0) if backend is None else (backend.memory.ort_device, backend.memory.device_id)
+    raw = getattr(binding, "_iobinding", None)
+    if raw is not None:
+        return raw.bind_input, raw.bind_output, _c_device(device, device_id)
+    return (lambda name, _, dtype, shape, ptr: binding.bind_input(name, device, device_id, dtype, list(shape), ptr),
+            lambda name, _, dtype, shape, ptr: binding.bind_output(name, device, device_id, dtype, list(shape), ptr),
+            None)
+
+
+@functools.cache
+def _binds_take_elem_types() -> bool:
+    """Whether this onnxruntime's C++ binding calls take ONNX element types as integers (a
+    quarter of a bind's cost less than a numpy dtype; onnxruntime 1.19 takes dtypes only).
+    Asked once, of a one-node session."""
+    value = onnx.helper.make_tensor_value_info
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+                               [value("x", onnx.TensorProto.FLOAT, [1])], [value("y", onnx.TensorProto.FLOAT, [1])]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    array = np.zeros(1, dtype=np.float32)
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session.io_binding()._iobinding.bind_input("x", _c_device("cpu", 0), onnx.TensorProto.FLOAT, (1,), array.ctypes.data)
+    except Exception:  # e.g. "Not a valid numpy type"
+        return False
+    return True
 
 
 @functools.cache

@@ -54,6 +54,9 @@ class DeviceBackend:
     scatters_race: bool = False
     run_options: ort.RunOptions | None = None
     profile_name: str = "cpu"  # the device profile (graph_passes.cost.device_profiles) plans are timed on
+    # Planned swap-ins of at most this many bytes copy when issued, on the thread that runs the
+    # blocks, rather than on the host→device engine (0: every one on the engine).
+    inline_copy_bytes: int = 0
 
     @property
     def memory_is_host(self) -> bool:
@@ -71,8 +74,14 @@ class DeviceBackend:
             self.streams.synchronize()
 
 
+# On the CPU device a small swap-in copies faster than a copy thread takes it over (RAM to RAM;
+# docs/decisions.md has the measurement).
+CPU_INLINE_COPY_BYTES = 64 * 1024
+
+
 def cpu_backend() -> DeviceBackend:
-    return DeviceBackend(NumpyMemory(), CopyEngine("h2d"), CopyEngine("d2h"), ["CPUExecutionProvider"])
+    return DeviceBackend(NumpyMemory(), CopyEngine("h2d"), CopyEngine("d2h"), ["CPUExecutionProvider"],
+                         inline_copy_bytes=CPU_INLINE_COPY_BYTES)
 
 
 def stream_backend(memory: DeviceMemory | None = None, streams: Streams | None = None) -> DeviceBackend:

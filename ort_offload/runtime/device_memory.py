@@ -112,10 +112,11 @@ class NumpyMemory:
     def finite(self, buffer: np.ndarray, placed) -> list[bool]:
         """Whether each tensor of ``placed`` ((offset, TensorInfo) pairs) holds only finite values."""
         finite = []
+        add, isfinite = np.add.reduce, math.isfinite  # add.reduce: ndarray.sum without its Python layer
         with np.errstate(over="ignore", invalid="ignore"):  # all_finite's test, one errstate for all
             for offset, info in placed:
                 flat = buffer[offset : offset + info.nbytes].view(info.dtype)
-                finite.append(math.isfinite(flat.sum()) or bool(np.isfinite(flat).all()))
+                finite.append(isfinite(add(flat)) or bool(np.isfinite(flat).all()))
         return finite
 
 

@@ -43,6 +43,13 @@ class HostStore:
     def discard(self, name: str) -> None:
         self._tensors.pop(name, None)
 
+    def discard_all(self, names) -> None:
+        """:meth:`discard` each of ``names`` (nothing to do, and no loop, while the store is empty)."""
+        tensors = self._tensors
+        if tensors:
+            for name in names:
+                tensors.pop(name, None)
+
     def rename(self, old: str, new: str) -> None:
         self._tensors[new] = self._tensors.pop(old)
 

@@ -107,6 +107,8 @@ class Runtime:
         # made at one version hold until the next (OrtTrainer's per-batch-signature cache).
         self.state_version = 0
         self.evict_engine = self.backend.d2h  # swap-outs
+        self._floating_names: dict[tuple[str, ...], list[str]] = {}  # first_nonfinite's, at _floating_version
+        self._floating_version = -1
         self._planning_profile: DeviceProfile | None = None
 
     def planning_profile(self) -> DeviceProfile:
@@ -178,11 +180,7 @@ class Runtime:
     def first_nonfinite(self, names) -> str | None:
         """The first of ``names`` holding NaN or inf, else None; floating tensors in the arena
         are checked where they are (on a GPU, without copying them out)."""
-        floating = []
-        for name in names:
-            info = self.info(name)
-            if info.nbytes and _is_floating(info.dtype):
-                floating.append(name)
+        floating = self._floating(names)
         resident = [n for n in floating if n in self.arena]
         with self.backend.on_compute_stream():
             finite = dict(zip(resident, self.arena.finite(resident)))
@@ -191,6 +189,19 @@ class Runtime:
             if not ok:
                 return name
         return None
+
+    def _floating(self, names) -> list[str]:
+        """Those of ``names`` that hold floating values (not empty): kept per list of names
+        until :attr:`state_version` changes (the only time a state tensor's dtype or shape can)."""
+        key = tuple(names)
+        if self._floating_version != self.state_version:
+            self._floating_names.clear()
+            self._floating_version = self.state_version
+        floating = self._floating_names.get(key)
+        if floating is None:
+            floating = self._floating_names[key] = [
+                n for n in key if (info := self.info(n)).nbytes and _is_floating(info.dtype)]
+        return floating
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Overwrite a state tensor in place (same dtype and shape)."""
@@ -503,18 +514,24 @@ class _StepExecution:
         if "views" not in cache:
             cache["first_readers"] = _first_readers(prepared.program)
             cache["views"] = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
-        self.first_reader = cache["first_readers"] if self.policy.region(0) is not None else {}
+        self.steered = self.policy.region(0) is not None  # whether the policy chooses regions at all
+        self.first_reader = cache["first_readers"] if self.steered else {}
         self.view_start = cache["views"]
         self.block: int | None = None  # the block running or about to run
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
         self.leaving: dict[str, np.ndarray] = {}
+        # Swap-ins of at most this many bytes copy when issued (the device's choice), and wait
+        # in ``arrived`` to be counted as prefetch hits where a block first reads them.
+        self.inline_copy_bytes = runner.runtime.backend.inline_copy_bytes
+        self.arrived: set[str] = set()
         # Compaction moves bytes: no copy may be reading or writing arena memory while it does.
         self.arena.before_move = self._drain
 
     def _drain(self) -> None:
         """Every copy finished (swap-outs are released later, by :meth:`_reap`)."""
         self.stats.swap_time_s += self.copies.drain() + self.evictions.settle()
+        self.arrived.clear()  # as drain() consumes what was in flight: no prefetch hit counted later
 
     def finish(self) -> None:
         """End of the step (or of a failed one): every copy done and released, no hook left behind."""
@@ -586,7 +603,10 @@ class _StepExecution:
         for name in names:
             if name in self.leaving:  # on its way out (a plan would have swapped it back in)
                 self._release(name)
-            if self.copies.in_flight(name):
+            if name in self.arrived:  # copied when issued: it had arrived
+                self.arrived.discard(name)
+                self.stats.prefetch_hits += 1
+            elif self.copies.in_flight(name):
                 waited, arrived = self.copies.consume(name)
                 self.stats.swap_time_s += waited
                 self.stats.prefetch_hits += arrived
@@ -623,42 +643,47 @@ class _StepExecution:
         self.stats.swap_time_s += time.perf_counter() - started
 
     def _layout(self, step: RunBlock) -> "_BlockLayout":
-        """What running ``step`` binds and allocates (this program's, made at its first run)."""
-        layout = self.prepared.run_cache.get(id(step))  # the program holds its steps: ids are stable
-        if layout is None:
-            block = self.prepared.program.blocks[step.block]
-            session = self.runner.session(self.prepared, step.block)
-            names = session.names  # the order it binds in
-            layout = self.prepared.run_cache[id(step)] = _BlockLayout(
-                session=session, block=block,
-                where=tuple(self.view_start.get(n, n) for n in names),
-                shapes=tuple(self.infos[n].shape for n in names),
-                units=tuple(allocation_units(self.prepared.program, step.allocates)),
-            )
+        """What running ``step`` binds, allocates and frees (this program's, made at its first
+        run; the program holds its steps, so their ids are stable)."""
+        block = self.prepared.program.blocks[step.block]
+        session = self.runner.session(self.prepared, step.block)
+        names = session.names  # the order it binds in
+        units = tuple(allocation_units(self.prepared.program, step.allocates))
+        layout = self.prepared.run_cache[id(step)] = _BlockLayout(
+            session=session, block=block,
+            where=tuple(self.view_start.get(n, n) for n in names),
+            shapes=tuple(self.infos[n].shape for n in names),
+            units=units,
+            outputs=None if any(pieces for _, pieces in units) else tuple((n, self.infos[n]) for n, _ in units),
+            inputs=frozenset(block.inputs), frees=tuple(step.frees),
+        )
         return layout
 
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena
-        layout = self._layout(step)
+        layout = self.prepared.run_cache.get(id(step)) or self._layout(step)
         # This signature's block: the session may have been made at another one, whose
         # workspace (shape-dependent) is not this step's.
-        block = layout.block
-        workspace = block.workspace_bytes
+        workspace = layout.block.workspace_bytes
         self.block = step.block
         self._cap(workspace)
-        self._ensure_resident(block.inputs, f"block {step.block}")
+        if self.leaving or self.arrived or self.copies.pending() or not arena.holds_all(layout.inputs):
+            self._ensure_resident(layout.block.inputs, f"block {step.block}")
         if self.runner.before_block is not None:
             self.runner.before_block(self, step.block)
-        for name, pieces in layout.units:
-            if pieces:
-                self._allocate_view(name, pieces, step.block)
-            else:
-                self._allocate(name, step.block)
+        if layout.outputs is not None and not self.leaving and not self.steered:
+            arena.allocate_all(layout.outputs)  # what _allocate does for each, in one call
+        else:
+            for name, pieces in layout.units:
+                if pieces:
+                    self._allocate_view(name, pieces, step.block)
+                else:
+                    self._allocate(name, step.block)
         self._measure(workspace)
         session = layout.session
         try:
             session.run_at(arena.pointers(layout.where), layout.shapes, self.infos, self.runtime.backend,
-                           self._host_values(session))
+                           self._host_values(session) if session.host_inputs else None)
         except Exception as e:
             first = ort_error_summary(e)
             raise ExecutionError(
@@ -667,9 +692,8 @@ class _StepExecution:
             ) from e
         if self.runner.after_block is not None:
             self.runner.after_block(self, step.block)
-        for name in step.frees:
-            arena.free(name)
-            self.host.discard(name)  # a clean host copy dies with the value
+        arena.free_all(layout.frees)
+        self.host.discard_all(layout.frees)  # a clean host copy dies with the value
 
     def _host_values(self, session: BlockSession) -> dict[str, np.ndarray]:
         """Values of the block inputs its session folds (shapes a device's kernels read on
@@ -687,7 +711,8 @@ class _StepExecution:
         return values
 
     def fetch(self, step: Fetch) -> None:
-        self._ensure_resident([step.name], f"fetch {step.name}")
+        if self.leaving or self.arrived or self.copies.pending() or step.name not in self.arena:
+            self._ensure_resident([step.name], f"fetch {step.name}")
         self.fetched[step.name] = self.arena.read(step.name)
         if step.free:
             self.arena.free(step.name)
@@ -697,6 +722,7 @@ class _StepExecution:
         name = step.name
         if name not in self.arena or name in self.leaving:  # out already (another signature's plan)
             return
+        self.arrived.discard(name)
         if self.copies.in_flight(name):
             self.stats.swap_time_s += self.copies.wait(name)[0]
         if step.copy or name not in self.host:
@@ -723,9 +749,16 @@ class _StepExecution:
         if name not in self.arena:  # resident already if another signature's plan kept it
             self._cap(0)
             self._allocate(name, self.first_reader.get(id(step)))  # bytes reserved at issue
-            self.copies.submit(name, self.arena.uploader(name, self.host.get(name)))
+            nbytes = self.infos[name].nbytes
+            if nbytes <= self.inline_copy_bytes:  # copied now: handing it to a copy thread costs more
+                started = time.perf_counter()
+                self.arena.write(name, self.host.get(name))
+                self.stats.swap_time_s += time.perf_counter() - started
+                self.arrived.add(name)
+            else:
+                self.copies.submit(name, self.arena.uploader(name, self.host.get(name)))
             self.stats.swap_ins += 1
-            self.stats.swap_in_bytes += self.infos[name].nbytes
+            self.stats.swap_in_bytes += nbytes
             self._measure(0)
 
     def commit(self, step: Commit) -> None:
@@ -738,16 +771,17 @@ class _StepExecution:
                 u in infos and s in infos and infos[u] == infos[s] for u, s in step.renames)
         if not keeps:
             self.runtime.state_version += 1
+        arena, host = self.arena, self.host
         for updated, state in step.renames:
-            if state in self.arena:
-                self.arena.free(state)
-            self.host.discard(state)  # the old value's host copy is stale now
-            if updated in self.arena:
-                self.arena.rename(updated, state)
-                if updated in self.host:
-                    self.host.rename(updated, state)  # a clean copy stays clean under the new name
+            if state in arena:
+                arena.free(state)
+            host.discard(state)  # the old value's host copy is stale now
+            if updated in arena:
+                arena.rename(updated, state)
+                if updated in host:
+                    host.rename(updated, state)  # a clean copy stays clean under the new name
             else:
-                self.host.rename(updated, state)
+                host.rename(updated, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -759,6 +793,9 @@ class _BlockLayout:
     where: tuple[str, ...]  # the arena tensor holding each of session.names (a split view: its first piece)
     shapes: tuple[tuple[int, ...], ...]  # the shape of each of session.names at this signature
     units: tuple  # allocation_units of the step's allocations
+    outputs: tuple | None  # the same as (name, TensorInfo) pairs where none is a split view
+    inputs: frozenset[str]  # the block's inputs (checked resident at once)
+    frees: tuple[str, ...]  # what the step frees after the run
 
 
 def _first_readers(program: Program) -> dict[int, int]:

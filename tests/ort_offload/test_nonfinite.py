@@ -155,3 +155,17 @@ def test_index_limits_follow_gathers_through_casts_into_states_and_initializers(
                                                                           [0.0] * 14)])
     limits = gather_index_limits(oh.make_model(graph), {"emb": (50, 8)}, ["ids", "tags"])
     assert limits == {"ids": (50, "emb"), "tags": (7, "frozen")}
+
+
+def test_the_state_check_follows_a_tensor_whose_dtype_changes():
+    """Which state tensors are floating is kept per state version: a new placement that makes
+    an integer tensor floating (and NaN) is checked."""
+    from ort_offload.runtime.runner import Runtime
+
+    runtime = Runtime(ort_offload.set_offload_device("cpu", budget=None))
+    runtime.place_state({"w": np.ones(4, np.float32), "n": np.zeros(2, np.int64)}, ["w", "n"], 4096)
+    assert runtime.first_nonfinite(["w", "n"]) is None
+    runtime.place_state({"w": np.ones(4, np.float32), "n": np.array([np.nan, 1.0], np.float32)}, ["w", "n"], 4096)
+    assert runtime.first_nonfinite(["w", "n"]) == "n"
+    runtime.write("w", np.array([1.0, np.inf, 0.0, 0.0], np.float32))
+    assert runtime.first_nonfinite(["w", "n"]) == "w"

@@ -24,6 +24,16 @@ def test_best_fit_reuses_the_smallest_hole_that_fits():
     assert a.high_water == 576
 
 
+def test_best_fit_takes_the_lowest_of_equal_holes():
+    a = BestFitAllocator(alignment=64)
+    for name in "abcde":
+        a.allocate(name, 128)
+    a.free("d")  # holes of 128 at 384 and 128 (freed second)
+    a.free("b")
+    assert a.allocate("f", 64).offset == 128
+    assert a._free == [(192, 64), (384, 128)]
+
+
 def test_a_name_the_allocator_does_not_hold_is_an_offload_error_not_a_key_error():
     from ort_offload.errors import ArenaStateError, OffloadError
 
@@ -196,3 +206,37 @@ def test_random_regioned_sequences_never_overlap_and_account_exactly(sequence):
         a.check_no_overlap()
         assert a.in_use == sum(live.values())
         assert a._free == sorted(a._free) and all(o + h <= a.high_water_live() for o, h in a._free)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.sampled_from(["capped", "growable"]))
+def test_allocating_a_block_at_once_places_as_one_allocation_after_another(sequence, kind):
+    """``allocate_all`` (a block's outputs in one call) gives the layout, the compactions and
+    the growth that ``allocate`` of each in turn gives, and the same refusal."""
+    def arena():
+        return DeviceArena(1024 if kind == "growable" else 16 * 1024, alignment=64, growable=kind == "growable")
+
+    one, many = arena(), arena()
+    batch = []
+    for i, (do_alloc, size) in enumerate(sequence + [(False, 0)]):
+        if do_alloc:
+            batch.append((f"t{i}", TensorInfo(np.dtype(np.uint8), (size + 1,))))
+            continue
+        results = []
+        for target, call in ((one, lambda: [one.allocate(n, info) for n, info in batch]),
+                             (many, lambda: many.allocate_all(batch))):
+            try:
+                call()
+                results.append(None)
+            except OutOfArenaMemory as e:
+                results.append(e.name)
+        assert results[0] == results[1]
+        assert one.allocator.layout() == many.allocator.layout() and one.names() == many.names()
+        assert (one.compactions, one.capacity, one.allocator.high_water) == (many.compactions, many.capacity,
+                                                                            many.allocator.high_water)
+        batch = []
+        live = one.names()
+        if live:
+            victims = live[size % len(live)::3]
+            for target in (one, many):
+                target.free_all(victims)

@@ -43,6 +43,26 @@ def test_training_under_a_fraction_of_the_peak_is_bitwise_unplanned(unplanned, n
         assert run.state[key].tobytes() == value.tobytes(), key
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["copy-thread", "at-issue"])
+def test_swap_ins_copied_at_issue_or_on_the_copy_thread_give_identical_results(unplanned, monkeypatch, inline_bytes):
+    """The CPU device copies small swap-ins when they are issued (a copy thread's hand-off costs
+    more); every one copied there and every one on the thread train alike, and copies made at
+    issue count as prefetch hits where a block reads them."""
+    from ort_offload.runtime import device_backend
+
+    monkeypatch.setattr(device_backend, "CPU_INLINE_COPY_BYTES", inline_bytes)
+    reference = unplanned["gpt"]
+    run = train_ort("gpt", optimizer="adamw", steps=5, budget="0.5x")
+    report, stats = run.trainer.report(), run.trainer.runtime.stats
+    assert run.trainer.runtime.backend.inline_copy_bytes == inline_bytes
+    assert report["peak_device_bytes"] <= report["budget_bytes"] and report["faults"] == 0
+    assert stats.swap_ins > 0 and 0 <= report["prefetch_hits"] <= stats.swap_ins
+    if inline_bytes:
+        assert report["prefetch_hits"] > 0
+    assert run.losses == reference.losses
+    assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
+
+
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
 def test_async_swap_outs_and_a_gpu_plan_give_identical_results_within_the_budget(unplanned, name):
     """Swap-outs on the background engine, with the plan made for the V100 profile (early

@@ -75,12 +75,19 @@ def test_blocks_running_the_same_nodes_share_a_content_key_whatever_their_index_
     assert sub.graph.name == name  # the model is left as it was
 
 
-def test_kept_bindings_follow_every_change_of_pointers_and_shapes():
+@pytest.mark.parametrize("elem_types", [True, False], ids=["elem-type-ints", "numpy-dtypes"])
+def test_kept_bindings_follow_every_change_of_pointers_and_shapes(monkeypatch, elem_types):
     """A block keeps one binding per layout it ran at (BINDINGS_PER_VARIANT of them): runs at
     layouts seen before, new ones, ones that take over the oldest binding, and shape changes
-    at the same pointers each read and write exactly the tensors of their own layout."""
+    at the same pointers each read and write exactly the tensors of their own layout (binding
+    element types as integers, where onnxruntime takes them, or as numpy dtypes)."""
     from graph_passes.ir.shapes import TensorInfo
+    from ort_offload.runtime import block_session
     from ort_offload.runtime.block_session import BINDINGS_PER_VARIANT, BlockSession
+
+    if elem_types and not block_session._binds_take_elem_types():
+        pytest.skip("this onnxruntime binds numpy dtypes only")
+    monkeypatch.setattr(block_session, "_binds_take_elem_types", lambda: elem_types)
 
     model = helper.make_model(helper.make_graph(
         [helper.make_node("Add", ["x", "y"], ["z"])], "add",
