@@ -85,14 +85,8 @@ def create_ort_trainer(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     group = data_parallel_group(process_group)
     if is_dynamic_model(model):
-        if group is not None:
-            raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
-        if not isinstance(optimizer, str) or optimizer_options or grad_clip_norm is not None or \
-                accumulation_steps != 1 or lr_scheduler is not None:
-            raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
-        if max_shapes is not None:
-            raise InputMismatchError("max_shapes is for static models: a dynamic model's fraction budget is of its "
-                                     "first batch's no-offload peak; drop max_shapes or give the budget in bytes")
+        _check_dynamic_options(group, optimizer, optimizer_options, max_shapes, grad_clip_norm is not None or
+                               accumulation_steps != 1 or lr_scheduler is not None)
         return _blockwise_trainer(device, model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                                   lr=lr, name=name, cache_dir=cache_dir, stop_on_nonfinite=stop_on_nonfinite)
     if example_inputs is None:
@@ -110,6 +104,17 @@ def create_ort_trainer(
                            dynamic_axes=dynamic_axes, passes=pass_list, name=name, cache_dir=cache_dir,
                            stop_on_nonfinite=stop_on_nonfinite, loop=loop,
                            shard_optimizer_state=bool(shard_optimizer_state), max_shapes=max_shapes)
+
+
+def _check_dynamic_options(group, optimizer, optimizer_options, max_shapes, loop_options: bool) -> None:
+    """Refuse what the block-wise trainer of a dynamic model does not take."""
+    if group is not None:
+        raise UnsupportedGraphError("dynamic networks do not train data-parallel yet: build the trainer without a process group")
+    if not isinstance(optimizer, str) or optimizer_options or loop_options:
+        raise InputMismatchError("dynamic models train with optimizer 'adamw' or 'sgd' and lr only")
+    if max_shapes is not None:
+        raise InputMismatchError("max_shapes is for static models: a dynamic model's fraction budget is of its "
+                                 "first batch's no-offload peak; drop max_shapes or give the budget in bytes")
 
 
 @dataclasses.dataclass(frozen=True)
