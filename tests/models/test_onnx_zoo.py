@@ -88,6 +88,7 @@ def test_unsupported_op_is_named():
         OnnxGraphModule(oh.make_model(graph))
 
 
+@pytest.mark.slow  # the fast suite trains a light zoo graph end to end in tests/ort_offload/test_zoo.py
 def test_exported_light_model_trains_like_torch():
     """shufflenet (BatchNorm in training mode, grouped convs, channel shuffle): one SGD step in
     ort_offload equals the same step in torch."""

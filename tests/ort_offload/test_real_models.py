@@ -137,6 +137,7 @@ def test_a_plain_attribute_gives_a_new_export_and_trains_with_its_own_value(tmp_
     assert len(list(tmp_path.glob("*-train-*.onnx"))) == 2
 
 
+@pytest.mark.slow
 def test_every_change_to_what_forward_computes_gives_a_new_key(tmp_path, monkeypatch):
     torch.manual_seed(0)
     first = key_of(Configured(FlagConfig()), tmp_path)
@@ -159,7 +160,8 @@ def test_every_change_to_what_forward_computes_gives_a_new_key(tmp_path, monkeyp
     assert key_of(frozen, tmp_path).cache_key != key_of(UsesGlobal(), tmp_path).cache_key  # what trains
 
 
-@pytest.mark.parametrize("version", ["torch", "exporter", "onnxscript"])
+@pytest.mark.parametrize("version", [pytest.param("torch", marks=pytest.mark.slow),
+                                     pytest.param("exporter", marks=pytest.mark.slow), "onnxscript"])
 def test_versions_of_torch_and_the_exporter_are_part_of_the_key(tmp_path, monkeypatch, version):
     base = key_of(Scaled(1.0), tmp_path).cache_key
     if version == "torch":

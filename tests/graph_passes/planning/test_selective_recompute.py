@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
 from graph_passes.cost.cost_model import AnalyticalCostModel
 from graph_passes.cost.device_profiles import DeviceProfile
@@ -86,6 +87,7 @@ def test_a_graph_recomputing_the_units_runs_in_stock_onnxruntime_with_the_same_n
         np.testing.assert_array_equal(before, after)
 
 
+@pytest.mark.slow
 def test_input_aware_plans_start_from_the_units_and_recompute_less():
     """bert small, budget 0.33 of the 256-long unplanned peak: at length 130 the plan holds
     units and fewer whole segments than the plan of whole segments alone, and its clones cost

@@ -113,7 +113,7 @@ def test_split_is_a_pass_name():
     assert "split" in resolve_passes("auto") and resolve_passes("swap,split") == ["swap", "split"]
 
 
-@pytest.mark.parametrize("name", ["gpt", "cnn"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "cnn"])
 def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
     # The least budget swap + recompute alone can plan (what planning reports when refusing).
     with pytest.raises(BudgetTooSmallError) as refused:

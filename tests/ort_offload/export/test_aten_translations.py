@@ -184,7 +184,16 @@ CONV_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def _cases(cases: dict, fast: set[str]) -> list:
+    """Every case, those outside ``fast`` (a representative of each kind) marked slow."""
+    return [c if c in fast else pytest.param(c, marks=pytest.mark.slow) for c in sorted(cases)]
+
+
+FAST_CONV_CASES = {"k3_s2_p0_odd_rem_nobias", "k3_s2_dil2_p1_rect", "depthwise_s2", "conv_transpose_groups", "conv1d_s2"}
+FAST_POOL_CASES = {"avg_ceil_mode_pad_exclude", "avg_divisor_override_ceil", "adaptive_uneven", "avg3d"}
+
+
+@pytest.mark.parametrize("case", _cases(CONV_CASES, FAST_CONV_CASES))
 def test_convolution_backward(case):
     make_conv, in_channels, spatial = CONV_CASES[case]
     module, x, y = _conv_case(make_conv(), in_channels, spatial)
@@ -233,7 +242,7 @@ POOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(POOL_CASES))
+@pytest.mark.parametrize("case", _cases(POOL_CASES, FAST_POOL_CASES))
 def test_pool_backward(case):
     make_pool, spatial = POOL_CASES[case]
     torch.manual_seed(0)
