@@ -207,7 +207,7 @@ def _epoch_row(row: str, trainer, create_s: float, steps: list[dict], losses: di
     """One trainer's row: its report, its epoch totals, and whether it matched the unplanned one."""
     report = trainer.report()
     summary = trainer.runner.recompute.summary()
-    mismatches = bench.state_mismatches(trainer.state_dict(), reference_state)
+    mismatches = bench.state_mismatches(trainer.flat_state(), reference_state)
     return {
         "row": row,
         "budget_bytes": report["budget_bytes"],

@@ -101,7 +101,7 @@ def test_two_ranks_match_one_process_at_the_global_batch(two_ranks, one_process)
     losses = two_ranks["records"][0]["losses"]
     np.testing.assert_allclose(losses, one_process.losses, rtol=1e-6, atol=0)
     rank0 = np.load(two_ranks["out"] / "rank0.npz")
-    for name, expected in one_process.state_dict().items():
+    for name, expected in one_process.flat_state().items():
         got, want = _key_bias_slice(name, rank0[name]), _key_bias_slice(name, expected)
         scale = max(float(np.max(np.abs(want))), 1e-30)
         assert float(np.max(np.abs(got - want))) <= 1e-6 * scale, name
@@ -125,7 +125,7 @@ def test_two_runs_are_bitwise_identical(two_ranks, tmp_path):
 def test_report_counts_the_averaged_gradients(two_ranks, one_process):
     report = two_ranks["records"][0]["report"]
     params = [n for n in one_process.graph.state_inputs if one_process.graph.roles.get(n) == Role.PARAM]
-    grad_bytes = sum(one_process.state_dict()[n].nbytes for n in params)
+    grad_bytes = sum(one_process.flat_state()[n].nbytes for n in params)
     assert report["world_size"] == 2 and report["rank"] == 0
     assert report["allreduce_bytes"] == STEPS * grad_bytes
     assert report["comm_time_s"] > 0

@@ -137,7 +137,7 @@ def test_in_graph_trainer_with_torch_optimizer_scheduler_clipping_and_accumulati
     assert report["within_budget"] is True and report["budget_bytes"] < report["baseline_peak_bytes"]
     _assert_params_close(trainer.copy_to(copy.deepcopy(spec.model)), reference)
     torch_optimizer = torch.optim.AdamW(reference.parameters())
-    torch_optimizer.load_state_dict(trainer.torch_state_dict()["optimizer"])  # torch takes the layout
+    torch_optimizer.load_state_dict(trainer.state_dict()["optimizer"])  # torch takes the layout
 
 
 @pytest.mark.parametrize("make", [
@@ -234,32 +234,63 @@ def test_trainer_checkpoint_resumes_in_plain_torch_and_back(tmp_path):
 
 
 def test_bad_torch_checkpoints_leave_the_trainer_unchanged(tmp_path):
+    """load_state_dict (torch's layout) checks everything first: one CheckpointError, state as before."""
     data = batches("mlp", 2)
     spec = get_model("mlp")
     trainer = _trainer(spec, data)
     for inputs, targets in data:
         trainer.step(*inputs, *targets)
-    good = trainer.torch_state_dict()
-    before = trainer.state_dict()
+    good = trainer.state_dict()
+    assert sorted(good) == ["model", "optimizer", "step"] and good["step"] == 2
+    assert all(isinstance(t, torch.Tensor) for t in good["model"].values())
+    before = trainer.flat_state()
     name = next(iter(good["model"]))
+    moments = good["optimizer"]["state"][0]
     bad_states = [
         {**good, "step": 5},  # disagrees with the optimizer's step
         {**good, "model": {**good["model"], name: torch.zeros(3, 3)}},
+        {**good, "model": {**good["model"], name: good["model"][name].double()}},
         {**good, "model": {k: v for k, v in good["model"].items() if k != name}},
+        {**good, "model": {**good["model"], "extra.weight": torch.zeros(1)}},
         {**good, "model": {**good["model"], name: torch.full_like(good["model"][name], float("nan"))}},
+        {**good, "optimizer": {**good["optimizer"], "state": {**good["optimizer"]["state"],
+                                                             0: {**moments, "exp_avg": torch.zeros(2)}}}},
+        {**good, "optimizer": {"state": {}}},
         {"model": good["model"], "step": 2},
         [1, 2],
     ]
     for state in bad_states:
-        with pytest.raises(CheckpointError):
-            trainer.load_torch_state_dict(state)
+        with pytest.raises(CheckpointError) as info:
+            trainer.load_state_dict(state)
+        assert "\n" not in str(info.value)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError):
         trainer.load(tmp_path / "junk.pt")
-    after = trainer.state_dict()
+    after = trainer.flat_state()
     assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
-    trainer.load_torch_state_dict(good)  # the good one loads, bitwise
-    assert all(np.array_equal(before[k], v) for k, v in trainer.state_dict().items())
+    trainer.load_state_dict(good)  # the good one loads, bitwise
+    assert all(np.array_equal(before[k], v) for k, v in trainer.flat_state().items())
+
+
+def test_old_npz_checkpoints_still_load(tmp_path):
+    """A checkpoint in the flat .npz format (what save() wrote before torch's layout, whatever
+    the suffix) still resumes; an ONNX-graph trainer without a torch model says to use flat_state."""
+    data = batches("mlp", 4)
+    spec = get_model("mlp")
+    trainer = _trainer(spec, data)
+    for inputs, targets in data[:2]:
+        trainer.step(*inputs, *targets)
+    from ort_offload.checkpoint import Checkpoint, write_checkpoint
+    old = write_checkpoint(tmp_path / "old.pt", Checkpoint(model="mlp", steps=2, losses=list(trainer.losses),
+                                                          state=trainer.flat_state()))
+    expected = [trainer.step(*i, *t) for i, t in data[2:]]
+    resumed = _trainer(get_model("mlp"), data)
+    resumed.load(old)
+    assert resumed.steps_done == 2
+    _close([resumed.step(*i, *t) for i, t in data[2:]], expected, rtol=0)
+    resumed.model = None
+    with pytest.raises(ort_offload.errors.OffloadError, match="flat_state"):
+        resumed.state_dict()
 
 
 def test_eval_outputs_are_torch_tensors_equal_to_torch():
@@ -316,12 +347,12 @@ def test_tied_parameters_in_the_offloaded_module_and_torch_checkpoints(tmp_path)
     trainer = ort_offload.create_ort_trainer(device, TiedLM(), loss_fn=lm_loss, example_inputs=data[0][0],
                                              example_targets=data[0][1], cache_dir=tmp_path)
     trainer.step(*data[0][0], *data[0][1])
-    state = trainer.torch_state_dict()
+    state = trainer.state_dict()
     assert torch.equal(state["model"]["head.weight"], state["model"]["emb.weight"])
     fresh = TiedLM()
     fresh.load_state_dict(state["model"])
     torch.optim.AdamW(fresh.parameters()).load_state_dict(state["optimizer"])
-    trainer.load_torch_state_dict(state)
+    trainer.load_state_dict(state)
 
 
 def test_reduce_lr_on_plateau_steps_on_the_update_loss():
