@@ -265,12 +265,17 @@ class OrtTrainer:
                 dynamic_axes=self.dynamic_axes, name=self.name, cache_dir=self._cache_dir,
             )
             self._eval_runner = GraphRunner(self.runtime, result.graph, passes=self.passes)
-        feeds = self._feeds(inputs, self.input_names)
         runner = self._eval_runner
-        prepared = self._prepare(runner, feeds)
-        outputs = runner.run(feeds, prepared)
+        outputs = self.run_graph(runner, inputs, self.input_names)
         values = [torch.from_numpy(outputs[n]) for n in runner.graph.output_names]
         return values[0] if len(values) == 1 else tuple(values)
+
+    def run_graph(self, runner: GraphRunner, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Run another graph on this trainer's state (``runner`` on :attr:`runtime`: the eval
+        forward, a forward part) with ``batch`` fed as ``names``; returns what it fetches. Its
+        state updates (e.g. BatchNorm statistics) are committed as a step's are."""
+        feeds = self._feeds(batch, names)
+        return runner.run(feeds, self._prepare(runner, feeds))
 
     # ---- state --------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ import torch
 import ort_offload
 from helpers import batches, max_relative_diff
 from models import get_model
-from ort_offload.errors import CheckpointError, InvalidArgumentError
+from graph_passes.ir.training_graph import Role
+from ort_offload.errors import CheckpointError, InputMismatchError, InvalidArgumentError
 
 ACCUMULATE = 4
 CLIP = 1.0
@@ -101,17 +102,53 @@ def test_offloaded_forward_backward_equal_the_unplanned_program_bitwise(name):
 
 
 def test_offloaded_backward_scales_and_sums_like_torch():
-    data = batches("mlp", 2)
+    """The incoming gradient is honoured: scaled losses, a non-scalar result with backward(g),
+    sums over several backward calls; a second backward through one loss is a clear error."""
+    data = batches("mlp", 3)
     spec, module = _offloaded("mlp", data, None)
     reference = copy.deepcopy(spec.model)
     for (inputs, targets), scale in zip(data, (0.5, 0.25)):
         (module(*inputs, *targets) * scale).backward()
         (spec.loss_fn(reference(*inputs), *targets) * scale).backward()
+    (inputs, targets), weights = data[2], torch.tensor([0.5, 2.0])
+    torch.stack([module(*inputs, *targets), 3 * module(*inputs, *targets)]).backward(weights)
+    theirs = spec.loss_fn(reference(*inputs), *targets)
+    torch.stack([theirs, 3 * theirs]).backward(weights)
     for ours, theirs in zip(module.parameters(), reference.parameters()):
         assert max_relative_diff(ours.grad.numpy(), theirs.grad.numpy()) <= 1e-5
+    loss = module(*inputs, *targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_training_forward_without_gradients_runs_the_forward_part_only():
+    """Under torch.no_grad() or with frozen parameters a training-mode call costs a forward:
+    the loss and BatchNorm statistics as torch's, no backward program run, within the budget."""
+    data = batches("cnn", 2)
+    spec, module = _offloaded("cnn", data, "0.5x")
+    reference = copy.deepcopy(spec.model)
+    (inputs, targets) = data[0]
     with torch.no_grad():
-        loss = module(*data[0][0], *data[0][1])
-    assert not loss.requires_grad
+        ours = module(*inputs, *targets)
+        theirs = spec.loss_fn(reference(*inputs), *targets)
+    assert not ours.requires_grad and abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item())
+    for a, b in zip(module.buffers(), reference.buffers()):  # running statistics moved as torch's
+        assert max_relative_diff(a.double().numpy(), b.double().numpy()) <= 1e-5
+    module.requires_grad_(False)
+    reference.requires_grad_(False)
+    ours = module(*data[1][0], *data[1][1])
+    theirs = spec.loss_fn(reference(*data[1][0]), *data[1][1])
+    assert not ours.requires_grad and abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item())
+    assert module.trainer.steps_done == 0 and module.trainer.runner.step_times_s == []  # no backward ran
+    forward_part = module._forward_part.graph
+    assert Role.GRAD not in forward_part.roles.values()
+    assert len(forward_part.model.graph.node) < len(module.trainer.graph.model.graph.node)
+    stats = module.trainer.runtime.stats
+    assert 0 < stats.peak_device_bytes <= module.report()["budget_bytes"]
+    module.requires_grad_(True)
+    with pytest.raises(InputMismatchError, match="detach"):
+        module(inputs[0].clone().requires_grad_(True), *targets)
 
 
 def test_in_graph_trainer_with_torch_optimizer_scheduler_clipping_and_accumulation_matches_torch():
