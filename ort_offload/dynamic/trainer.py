@@ -334,6 +334,8 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> None
     except Exception as e:  # torch raises ValueError, KeyError or TypeError for a misfit
         raise CheckpointError(f"optimizer state does not fit this optimizer ({type(e).__name__}: {e})") from e
     for index, values in state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(values, Mapping):
+            raise CheckpointError(f"optimizer state {index!r} is not the state of one of its {len(params)} parameters")
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[index].shape:
                 raise CheckpointError(f"optimizer state {index}.{key} has shape {list(value.shape)}, "

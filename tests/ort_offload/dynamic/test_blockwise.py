@@ -142,6 +142,7 @@ def test_state_dict_moves_to_plain_torch_and_back(cache):
     before = trainer.flat_state()
     for bad in ({**state, "model": {**state["model"], name: state["model"][name].double()}},
                 {**state, "optimizer": {**state["optimizer"], "param_groups": []}},
+                {**state, "optimizer": {**state["optimizer"], "state": {99: {}}}},
                 {**state, "step": -1}, {"model": state["model"]}):
         with pytest.raises(CheckpointError):
             trainer.load_state_dict(bad)
