@@ -199,7 +199,7 @@ def run_step_time(settings: Settings, predictor_factory, log) -> dict:
                     times[kind].append(time.perf_counter() - started)
                 time.sleep(0.05)
         reference = trainers["unlimited"]
-        ref_state = reference.state_dict()
+        ref_state = reference.flat_state()
         simulated = {kind: _simulate(trainers[kind].runtime.step_traces[-settings.time_steps:])
                      for kind in ("prefetch", "on_demand")}
         row: dict[str, Any] = {"budget": budget}
@@ -209,7 +209,7 @@ def run_step_time(settings: Settings, predictor_factory, log) -> dict:
             row[kind] = {
                 "step_s_median": bench.median(times[kind]),
                 "bitwise": bench.bitwise_equal(trainer.losses, reference.losses)
-                and not bench.state_mismatches(trainer.state_dict(), ref_state),
+                and not bench.state_mismatches(trainer.flat_state(), ref_state),
                 "peak_bytes": report["peak_device_bytes"], "budget_bytes": report["budget_bytes"],
                 "baseline_peak_bytes": report["baseline_peak_bytes"],
                 "faults": report["faults"], "prefetch_hits": report["prefetch_hits"],

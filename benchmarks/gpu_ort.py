@@ -236,7 +236,7 @@ def ours(case: Case, device_kind: str, row: Row, planning_profile: str | None,
     }
     if blocks is not None:
         extra["block_memory"] = blocks.rows(prepared.program)
-    return {**report, **extra}, trainer.state_dict()
+    return {**report, **extra}, trainer.flat_state()
 
 
 class BlockMemory:

@@ -128,7 +128,7 @@ def train_row(row: str, epoch: Epoch) -> dict:
         "peak_device_bytes": report["peak_device_bytes"], "within_budget": report["within_budget"],
         "device_overhead_bytes": report.get("device_overhead_bytes"), "block_sessions": trainer.runner.session_count,
         "recompute": trainer.runner.recompute.summary(), "losses": [s.pop("loss") for s in steps],
-        "state_digest": state_digest(trainer.state_dict()), "per_step": steps,
+        "state_digest": state_digest(trainer.flat_state()), "per_step": steps,
     }
 
 

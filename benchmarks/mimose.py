@@ -132,7 +132,7 @@ def measure_epoch(settings: Settings, *, log: Callable[[str], None], whole_segme
         log(f"bert {settings.config}: exporting; {settings.steps} steps, lengths {MIN_LENGTH}..{MAX_LENGTH}")
         setup = _create_trainers(spec, data, cache_dir, settings, whole_segments, log)
         epoch = _run_epoch(setup.trainers, data, lengths, row_names, settings, log)
-        reference_state = setup.trainers["unplanned"][0].state_dict()
+        reference_state = setup.trainers["unplanned"][0].flat_state()
         rows = [_epoch_row(row, *setup.trainers[row], epoch.per_step[row], epoch.losses, reference_state)
                 for row in row_names]
         longest_peak, budget = setup.longest_peak, setup.budget
@@ -207,7 +207,7 @@ def _epoch_row(row: str, trainer, create_s: float, steps: list[dict], losses: di
     """One trainer's row: its report, its epoch totals, and whether it matched the unplanned one."""
     report = trainer.report()
     summary = trainer.runner.recompute.summary()
-    mismatches = bench.state_mismatches(trainer.state_dict(), reference_state)
+    mismatches = bench.state_mismatches(trainer.flat_state(), reference_state)
     return {
         "row": row,
         "budget_bytes": report["budget_bytes"],

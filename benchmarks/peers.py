@@ -710,7 +710,7 @@ def _run_reference(ctx: _Bench, export: _Export) -> _ReferenceRun:
     ref_other_share = meter.other_share()
     return _ReferenceRun(
         trainer=reference, setup_s=ref_setup_s, baseline_peak=baseline_peak, times=ref_times, losses=ref_losses,
-        other_share=ref_other_share, state=reference.state_dict(), report=reference.report(),
+        other_share=ref_other_share, state=reference.flat_state(), report=reference.report(),
         interleave=Interleaver(reference, ctx.batches, ctx.settings.settle_s),
     )
 
@@ -948,7 +948,7 @@ def _run_ours(ctx: _Bench, ref: _ReferenceRun, trainer, passes: str, budget_labe
     before = stats_at["before"]
     after = trainer.runtime.stats
     report = trainer.report()
-    state_bad = bench.state_mismatches(trainer.state_dict(), ref.state)
+    state_bad = bench.state_mismatches(trainer.flat_state(), ref.state)
     prepared = trainer.runner.last_prepared
     if passes == "swap" and budget_label == TIMELINE_BUDGET:
         artifacts["timeline"] = {"baseline": trainer.runner.baseline_trace, "planned": trainer.runner.last_trace,

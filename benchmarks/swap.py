@@ -274,7 +274,7 @@ class _Reference:
             seconds, loss = _timed_step(self.trainer, batch)
             self.times.append(seconds)
             self.losses.append(loss)
-        self.state = self.trainer.state_dict()
+        self.state = self.trainer.flat_state()
         self.report = self.trainer.report()
 
     def turn(self) -> float:
@@ -362,7 +362,7 @@ def _row_fields(trainer, prepared, reference: _Reference, steps: _InterleavedSte
     plan = prepared.swap_plan
     budget_bytes = int(trainer.runtime.budget_bytes)
     report = trainer.report()
-    state_bad = bench.state_mismatches(trainer.state_dict(), reference.state)
+    state_bad = bench.state_mismatches(trainer.flat_state(), reference.state)
     measured = steps.times[settings.warmup_steps:]
     n = settings.measured_steps
     before, after = steps.before, steps.after

@@ -474,7 +474,7 @@ def _verify_dynamic(args, trainer, batches) -> dict:
     lr = args.lr if args.lr is not None else 1e-3
     optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[args.optimizer](reference.model.parameters(), lr=lr)
     losses = _train_in_torch(reference, optimizer, batches)
-    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
+    return _compare_with_torch(trainer.losses, losses, trainer.flat_state(), reference.model)
 
 
 def _train_in_torch(reference, optimizer, batches) -> list[float]:
@@ -516,7 +516,7 @@ def _verify(spec, args, trainer, batches) -> dict:
     optimizer = trainer.optimizer_config.torch_optimizer(reference.model.parameters())
     reference.model.train()
     losses = _train_in_torch(reference, optimizer, batches)
-    return _compare_with_torch(trainer.losses, losses, trainer.state_dict(), reference.model)
+    return _compare_with_torch(trainer.losses, losses, trainer.flat_state(), reference.model)
 
 
 def _run_steps(trainer, batches, *, quiet: bool) -> None:

@@ -364,7 +364,7 @@ class DistributedTrainer(OrtTrainer):
     With ``shard_optimizer_state`` (ZeRO stage 1-2) the rank keeps the optimizer moments of,
     and updates, only its share of the parameters (:mod:`ort_offload.sharding`): each gradient
     is summed into its owner, the owner updates, and every parameter is then broadcast from its
-    owner. ``state_dict()`` and ``save()`` gather the whole state (every rank must call them)."""
+    owner. ``flat_state()`` and ``save()`` gather the whole state (every rank must call them)."""
 
     def __init__(self, device: OffloadDevice, graph: TrainingGraph, *, process_group: Any,
                  shard_optimizer_state: bool = False, **options) -> None:
@@ -436,9 +436,10 @@ class DistributedTrainer(OrtTrainer):
 
     # ---- state ----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The whole state (with sharded state, gathered from the owners: every rank calls this)."""
-        local = super().state_dict()
+    def flat_state(self) -> dict[str, np.ndarray]:
+        """The whole state by graph name (with sharded state, gathered from the owners: every
+        rank calls this)."""
+        local = super().flat_state()
         if self.shards is None:
             return local
         owners = self.shards.sharded_state()
@@ -467,22 +468,22 @@ class DistributedTrainer(OrtTrainer):
             if torch_checkpoint.is_torch_path(path):
                 raise CheckpointError("a trainer with sharded optimizer state saves .npz checkpoints: "
                                       "give a path ending in .npz")
-            state = self.state_dict()
+            state = self.flat_state()
             written = Path(path) if self.rank else write_checkpoint(
                 path, Checkpoint(model=self.name, steps=self.steps_done, losses=list(self.losses), state=state))
         self.reducer.barrier("checkpoint barrier")
         return written
 
-    def torch_state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         if self.shards is not None:
-            raise CheckpointError("torch_state_dict() needs every rank's optimizer state: use save() to a .npz "
-                                  "path, or train without shard_optimizer_state")
-        return super().torch_state_dict()
+            raise CheckpointError("state_dict() in torch's layout needs every rank's optimizer state: use "
+                                  "flat_state() or save() to a .npz path, or train without shard_optimizer_state")
+        return super().state_dict()
 
-    def load_torch_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.shards is not None:
-            raise CheckpointError("a trainer with sharded optimizer state loads .npz checkpoints only")
-        super().load_torch_state_dict(state)
+            raise CheckpointError("a trainer with sharded optimizer state loads .npz checkpoints only (load())")
+        super().load_state_dict(state)
 
     def report(self) -> dict[str, Any]:
         """:class:`OrtTrainer`'s report with the data-parallel keys (:data:`DISTRIBUTED_REPORT_KEYS`)."""

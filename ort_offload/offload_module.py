@@ -1,16 +1,17 @@
 """The offloaded module: ``m = ort_offload.offload(model, device, example_inputs=...)`` keeps the
 user's own torch loop (any optimizer, scheduler, clipping, accumulation).
 
-In training mode ``m(*inputs, *targets)`` runs the planned forward *and* backward graph (one
-program: the activations crossing between them are what the planner keeps, swaps or recomputes
-under the budget) and returns the loss as a torch tensor; ``loss.backward()`` then hands the
-gradients the program computed to autograd, which writes ``param.grad`` (summing over several
-backward calls, as torch does; scaled by the incoming gradient, e.g. ``(loss / k).backward()``).
-In eval mode (``m.eval()``) it runs the forward-only plan and returns the model's outputs (or
-``loss_fn(outputs, *targets)`` when targets are given). Parameters stay the model's own
-tensors, read into the device arena at each call; the optimizer and its state live wherever
-torch puts them, outside the budget.
-"""
+In training mode, when a gradient is wanted (grad mode on, a parameter that requires grad),
+``m(*inputs, *targets)`` runs the planned forward *and* backward graph (one program: the
+activations crossing between them are what the planner keeps, swaps or recomputes under the
+budget) and returns the loss as a torch tensor; ``loss.backward()`` then hands the gradients the
+program computed to autograd, which writes ``param.grad`` (summing over several backward calls,
+as torch does; times the incoming gradient, e.g. ``(loss / k).backward()``). When no gradient is
+wanted (``torch.no_grad()``, frozen parameters) it runs the planned forward part of that program
+only: the loss and the buffer updates. In eval mode (``m.eval()``) it runs the forward-only plan
+of the eval-mode model and returns its outputs (or ``loss_fn(outputs, *targets)`` when targets
+are given). Parameters stay the model's own tensors, read into the device arena at each call;
+the optimizer and its state live wherever torch puts them, outside the budget."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from graph_passes.ir.training_graph import Role
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.errors import InputMismatchError
 from ort_offload.export.training_step import export_training_step, initial_state
+from ort_offload.runtime.runner import GraphRunner
 from ort_offload.trainer import OrtTrainer, as_numpy, resolve_passes
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class _ProgramGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        if ctx.grads is None:  # handed over already (they are not kept: they are a model's size)
+            raise RuntimeError("backward through an offloaded module's loss a second time (retain_graph): "
+                               "call the module again for another backward")
         scale = None if bool(grad_output == 1) else grad_output  # 1: hand over the program's tensors as they are
         grads = [g if g is None or scale is None else g * scale.to(g.dtype) for g in ctx.grads]
         ctx.grads = None
@@ -66,22 +71,40 @@ class OffloadedModule(torch.nn.Module):
         trained = [n[: -len(GRAD_SUFFIX)] for n in fetched if graph.roles.get(n) == Role.GRAD]
         self._trained = [(n, own[n]) for n in trained]
         self._updated_buffers = [(n, own[n]) for n, r in graph.roles.items() if r == Role.BUFFER and n in graph.state_pairs]
+        self._forward_part: GraphRunner | None = None  # the loss without the backward, made at first use
 
     def forward(self, *batch):
         self._sync_in()
         if not self.training:
             return self._forward_only(batch)
+        wants_grad = torch.is_grad_enabled() and any(p.requires_grad for _, p in self._trained)
+        if wants_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in batch):
+            raise InputMismatchError("an input of the offloaded module requires grad, but it gives gradients of its "
+                                     "parameters only: detach the input, or offload the model it comes from too")
+        if not wants_grad:  # torch.no_grad() or frozen parameters: the forward part alone
+            return self._loss_without_backward(batch)
         self.trainer.step(*batch)
         outputs = self.trainer.last_outputs
-        with torch.no_grad():
-            for name, buffer in self._updated_buffers:  # BatchNorm running stats the program updated
-                buffer.copy_(torch.from_numpy(self.trainer.runtime.read(name)))
+        self._copy_buffers_out()
         value = torch.from_numpy(np.array(outputs[self.trainer.graph.loss_name]).reshape(()))
-        if not torch.is_grad_enabled():
-            return value
         grads = [torch.from_numpy(outputs[name + GRAD_SUFFIX]).view_as(p) if p.requires_grad else None
                  for name, p in self._trained]
         return _ProgramGradients.apply(value, grads, *(p for _, p in self._trained))
+
+    def _loss_without_backward(self, batch) -> torch.Tensor:
+        """The training-mode loss from the planned forward part only (no gradients computed)."""
+        trainer = self.trainer
+        if self._forward_part is None:
+            self._forward_part = GraphRunner(trainer.runtime, trainer.graph.forward_part(), passes=trainer.passes)
+        outputs = trainer.run_graph(self._forward_part, batch, trainer.batch_names)
+        self._copy_buffers_out()
+        return torch.from_numpy(np.array(outputs[trainer.graph.loss_name]).reshape(()))
+
+    def _copy_buffers_out(self) -> None:
+        """BatchNorm running statistics the program updated, into the model's buffers."""
+        with torch.no_grad():
+            for name, buffer in self._updated_buffers:
+                buffer.copy_(torch.from_numpy(self.trainer.runtime.read(name)))
 
     def _forward_only(self, batch):
         inputs, targets = batch[: self.num_inputs], batch[self.num_inputs:]

@@ -80,7 +80,7 @@ def _tensors(value: Any, where: str = ""):
 def _need_torch_parts(trainer) -> None:
     if trainer.model is None or trainer.optimizer_config is None:
         raise OffloadError("torch-format state needs the torch model and optimizer: build the trainer with "
-                           "create_ort_trainer")
+                           "create_ort_trainer, or use flat_state() / load_flat_state() (state by graph name)")
     if trainer._micro:
         raise CheckpointError(f"{trainer._micro} of {trainer.accumulation_steps} micro-batches of an update are "
                               "done: take the state after the update")
@@ -112,7 +112,7 @@ def load_torch_state_dict(trainer, state: Any) -> None:
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a whole number at least 0, got {step!r}")
-    flat = trainer.state_dict()
+    flat = trainer.flat_state()
     _take_model_state(trainer, state["model"], flat)
     zeros = {n: np.zeros_like(flat[n]) for n in trainer.graph.state_inputs
              if trainer.graph.roles.get(n) == Role.OPTIMIZER_STATE and n not in (optimizers.LR_INPUT, optimizers.STEP_INPUT)}
@@ -128,7 +128,7 @@ def load_torch_state_dict(trainer, state: Any) -> None:
     if optimizers.STEP_INPUT in flat:
         flat[optimizers.STEP_INPUT] = np.array(step + 1, dtype=np.float32)
     checked = trainer._checked_state(flat)
-    trainer.load_state_dict(checked)
+    trainer.load_flat_state(checked)
     trainer._step_count = step
 
 

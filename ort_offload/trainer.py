@@ -2,8 +2,9 @@
 
 It exports the model's training step once (cached), places parameters, optimizer state and
 buffers in the device's arena, checks the budget before the first step, and runs steps through
-the runtime. State never leaves the runtime except through ``state_dict()``, ``save()`` and
-``copy_to()``; checkpoints are written atomically and validated before anything is changed.
+the runtime. State never leaves the runtime except through ``state_dict()`` (torch's layout),
+``flat_state()`` (by graph name), ``save()`` and ``copy_to()``; checkpoints are written
+atomically and validated before anything is changed.
 """
 
 from __future__ import annotations
@@ -293,21 +294,40 @@ class OrtTrainer:
                 dynamic_axes=self.dynamic_axes, name=self.name, cache_dir=self._cache_dir,
             )
             self._eval_runner = GraphRunner(self.runtime, result.graph, passes=self.passes)
-        feeds = self._feeds(inputs, self.input_names)
         runner = self._eval_runner
-        prepared = self._prepare(runner, feeds)
-        outputs = runner.run(feeds, prepared)
+        outputs = self.run_graph(runner, inputs, self.input_names)
         values = [torch.from_numpy(outputs[n]) for n in runner.graph.output_names]
         return values[0] if len(values) == 1 else tuple(values)
 
+    def run_graph(self, runner: GraphRunner, batch: Sequence[Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Run another graph on this trainer's state (``runner`` on :attr:`runtime`: the eval
+        forward, a forward part) with ``batch`` fed as ``names``; returns what it fetches. Its
+        state updates (e.g. BatchNorm statistics) are committed as a step's are."""
+        feeds = self._feeds(batch, names)
+        return runner.run(feeds, self._prepare(runner, feeds))
+
     # ---- state --------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Host copies of every persistent tensor: parameters, buffers, optimizer state."""
-        return {n: self.runtime.read(n) for n in self.graph.state_inputs}
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's layout: ``{"model": module state_dict, "optimizer": torch.optim
+        state_dict, "step": updates done}`` (torch tensors), loadable by plain torch and by
+        :meth:`load_state_dict`. Needs the torch model and optimizer (:func:`create_ort_trainer`);
+        :meth:`flat_state` serves every trainer."""
+        return torch_checkpoint.torch_state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the trainer's state; checks every name, dtype, shape and value before writing any."""
+        """Resume from :meth:`state_dict`'s layout (from this trainer or plain torch); every key,
+        dtype, shape and value is checked before anything changes (:class:`CheckpointError`)."""
+        torch_checkpoint.load_torch_state_dict(self, state)
+
+    def flat_state(self) -> dict[str, np.ndarray]:
+        """Host copies of every persistent tensor by graph name: parameters, buffers, optimizer
+        state (``<param>.exp_avg``, ``optimizer.lr``...); what ``.npz`` checkpoints hold."""
+        return {n: self.runtime.read(n) for n in self.graph.state_inputs}
+
+    def load_flat_state(self, state: Mapping[str, Any]) -> None:
+        """Replace the state from :meth:`flat_state`'s layout; checks every name, dtype, shape and
+        value before writing any."""
         arrays = self._checked_state(state)
         for name in self.graph.state_inputs:
             self.runtime.write(name, arrays[name])
@@ -327,19 +347,9 @@ class OrtTrainer:
             raise CheckpointError(f"{optimizers.LR_INPUT} must be at least 0, got {lr.tolist()}")
         return arrays
 
-    def torch_state_dict(self) -> dict[str, Any]:
-        """The state in torch's layout: ``{"model": module state_dict, "optimizer": torch.optim
-        state_dict, "step": updates done}``, loadable by plain torch (and :meth:`load_torch_state_dict`)."""
-        return torch_checkpoint.torch_state_dict(self)
-
-    def load_torch_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`torch_state_dict`'s layout (from this trainer or plain torch);
-        everything is checked before anything changes."""
-        torch_checkpoint.load_torch_state_dict(self, state)
-
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint atomically (a temporary file renamed into place): torch's layout
-        (:meth:`torch_state_dict`, ``torch.save``) for a ``.pt``/``.pth`` path, else ``.npz``.
+        (:meth:`state_dict`, ``torch.save``) for a ``.pt``/``.pth`` path, else ``.npz`` (:meth:`flat_state`).
 
         Raises :class:`CheckpointError`, with nothing written, when the state is not finite or
         the file cannot be written; a temporary file a killed save left is swept first."""
@@ -347,16 +357,16 @@ class OrtTrainer:
             raise CheckpointError(f"{self._micro} of {self.accumulation_steps} micro-batches of an update are done: "
                                   "save after the update")
         if torch_checkpoint.is_torch_path(path):
-            return torch_checkpoint.save(path, self.torch_state_dict())
+            return torch_checkpoint.save(path, self.state_dict())
         return write_checkpoint(path, Checkpoint(model=self.name, steps=self._step_count, losses=list(self.losses),
-                                                 state=self.state_dict()))
+                                                 state=self.flat_state()))
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save`; the trainer is unchanged if it is bad.
 
         The file, its metadata and every tensor are checked before anything is written."""
         if torch_checkpoint.is_torch_checkpoint(path):
-            self.load_torch_state_dict(torch_checkpoint.load(path))
+            self.load_state_dict(torch_checkpoint.load(path))
             return
         checkpoint = read_checkpoint(path)
         arrays = self._checked_state(checkpoint.state)
@@ -364,7 +374,7 @@ class OrtTrainer:
         if step is not None and _step_number(step) - 1 != checkpoint.steps:
             raise CheckpointError(f"checkpoint {str(path)!r} says {checkpoint.steps} steps but its "
                                   f"{optimizers.STEP_INPUT} is {_step_number(step)}: the file was edited or mixed up")
-        self.load_state_dict(arrays)
+        self.load_flat_state(arrays)
         self._step_count = checkpoint.steps
         self.losses = list(checkpoint.losses)
         self._micro = 0

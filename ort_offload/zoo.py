@@ -185,7 +185,7 @@ def _train(case: PreparedCase, *, budget, passes: Sequence[str]) -> _Run:
         trainer = OrtTrainer(device, case.graph, initial_state=case.state, example_batch=case.batches[0],
                              input_names=names, target_names=[], passes=passes)
         losses = [trainer.step(*(batch[n] for n in names)) for batch in case.batches]
-        return _Run(losses, trainer.state_dict(), trainer.report())
+        return _Run(losses, trainer.flat_state(), trainer.report())
     finally:
         trainer = None
         _release()

@@ -49,7 +49,7 @@ def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny"
         optimizer=optimizer, name=name, **options,
     )
     losses = [trainer.step(*inputs, *targets) for inputs, targets in data]
-    return Run(trainer, losses, trainer.state_dict())
+    return Run(trainer, losses, trainer.flat_state())
 
 
 def train_torch(name: str, optimizer_config, *, steps=5, config="tiny", data=None):

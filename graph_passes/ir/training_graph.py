@@ -20,6 +20,8 @@ from typing import Mapping
 
 import onnx
 
+from graph_passes.ir.liveness import ancestor_nodes
+
 ROLES_KEY = "ort_offload.roles"
 STATE_PAIRS_KEY = "ort_offload.state_pairs"
 MODEL_NAME_KEY = "ort_offload.model"
@@ -98,6 +100,35 @@ class TrainingGraph:
             return None
         updates = set(self.state_pairs.values())
         return [loss] + [n for n in self.output_names if n != loss and n not in updates]
+
+    def forward_part(self) -> "TrainingGraph":
+        """The step without its backward and update: the nodes the loss and the updated buffers
+        depend on, with those as the only outputs (the same inputs, so the same state).
+
+        What a training-mode forward computes when no gradient is wanted; buffers (BatchNorm
+        running statistics) are updated as the whole step updates them. A graph whose loss
+        is unknown has no such part (:class:`ValueError`)."""
+        loss = self.loss_name
+        if loss is None:
+            raise ValueError(f"{self.name}: a graph without a loss output has no forward part")
+        buffers = {k: v for k, v in self.state_pairs.items() if self.roles.get(k) == Role.BUFFER}
+        outputs = [loss, *buffers.values()]
+        nodes = list(self.model.graph.node)
+        keep = sorted(ancestor_nodes(nodes, outputs))
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        graph = model.graph
+        del graph.node[:]
+        graph.node.extend(nodes[i] for i in keep)
+        kept_outputs = [o for o in self.model.graph.output if o.name in set(outputs)]
+        del graph.output[:]
+        graph.output.extend(kept_outputs)
+        values = {v.name for v in graph.input} | {o for i in keep for o in nodes[i].output}
+        kept_info = [v for v in self.model.graph.value_info if v.name in values]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_info)
+        roles = {k: r for k, r in self.roles.items() if k in values}
+        return TrainingGraph(model=model, roles=roles, state_pairs=buffers, name=self.name)
 
     def names_with_role(self, role: Role) -> list[str]:
         return [n for n, r in self.roles.items() if r == role]

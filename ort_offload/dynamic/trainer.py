@@ -19,12 +19,13 @@ parameters exactly as plain torch training would have them. A budget written as 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,8 +33,9 @@ import torch
 from ort_offload.dynamic.blockwise import BlockStepCache, HostExecutor, default_blocks, unwrap_blocks, wrap_blocks
 from ort_offload.runtime.offload_device import OffloadDevice
 from ort_offload.dynamic.runtime import BlockRuntime
-from ort_offload.errors import InputMismatchError, NonFiniteError
 from ort_offload.budget_basis import FIRST_BATCH
+from ort_offload.checkpoint import check_state
+from ort_offload.errors import CheckpointError, InputMismatchError, NonFiniteError
 from ort_offload.report import REPORT_KEYS
 from ort_offload.validation import check_learning_rate
 from pilot.prediction import NoPredictor, PathPredictor
@@ -137,6 +139,7 @@ class BlockwiseTrainer:
         self._first_shapes: dict[str, list[int]] = {}  # batch shapes the baseline was measured at
         self.budget_bytes: int | None = None
         self.losses: list[float] = []
+        self.steps_done = 0  # optimizer updates (resumed ones included)
         self.step_times: list[float] = []
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
         self.nonfinite_steps: list[int] = []  # numbers (1-based) of steps with a non-finite loss or gradient
@@ -221,6 +224,7 @@ class BlockwiseTrainer:
             raise
         self._check_finite(float(loss.detach()))
         self.optimizer.step()
+        self.steps_done += 1
         self.step_times.append(time.perf_counter() - started)
         value = float(loss.detach())
         self.losses.append(value)
@@ -243,9 +247,30 @@ class BlockwiseTrainer:
             logger.warning("step %d of %s gave non-finite values in %s; later ones are counted in "
                            "report()['nonfinite_steps']", len(self.losses) + 1, self.name, where)
 
-    def state_dict(self) -> dict[str, np.ndarray]:
+    def flat_state(self) -> dict[str, np.ndarray]:
         """The model's parameters and buffers as numpy arrays (copies)."""
         return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": module state_dict, "optimizer": torch.optim state_dict, "step": updates
+        done}``, as :meth:`OrtTrainer.state_dict <ort_offload.trainer.OrtTrainer.state_dict>`."""
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from :meth:`state_dict`'s layout (from this trainer or plain torch); everything
+        is checked (:class:`CheckpointError`) before anything changes."""
+        if not isinstance(state, Mapping) or sorted(map(str, state)) != ["model", "optimizer", "step"]:
+            raise CheckpointError("a torch-format state has keys model, optimizer, step")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a whole number at least 0, got {step!r}")
+        own = self.model.state_dict()
+        check_state(state["model"], {k: (v.detach().numpy().dtype, tuple(v.shape)) for k, v in own.items()})
+        _check_optimizer_state(self.optimizer, state["optimizer"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = step
 
     def report(self) -> dict[str, Any]:
         """The run report: :data:`~ort_offload.report.REPORT_KEYS`, then :data:`DYNAMIC_REPORT_KEYS`."""
@@ -263,7 +288,7 @@ class BlockwiseTrainer:
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "peak_device_bytes": peak,
             "within_budget": None if peak is None else (self.budget_bytes is None or peak <= self.budget_bytes),
-            "steps": len(self.losses),
+            "steps": self.steps_done,
             "losses": list(self.losses),
             "swap_out_bytes": stats.swap_out_bytes if stats else 0,
             "swap_in_bytes": stats.swap_in_bytes if stats else 0,
@@ -306,6 +331,28 @@ class BlockwiseTrainer:
         unwrap_blocks(self.model)
         if self.runtime is not None:
             self.runtime.close()
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: Any) -> None:
+    """:class:`CheckpointError` unless ``state`` loads into ``optimizer`` (tried on a scratch
+    copy over stand-in parameters) with per-parameter tensors of their parameter's shape."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    stand_ins = [torch.zeros_like(p, device="meta", requires_grad=True) for p in params]  # no memory
+    try:
+        type(optimizer)(stand_ins, **options).load_state_dict(state)
+    except Exception as e:  # torch raises ValueError, KeyError or TypeError for a misfit
+        raise CheckpointError(f"optimizer state does not fit this optimizer ({type(e).__name__}: {e})") from e
+    for index, values in state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(values, Mapping):
+            raise CheckpointError(f"optimizer state {index!r} is not the state of one of its {len(params)} parameters")
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape != params[index].shape:
+                raise CheckpointError(f"optimizer state {index}.{key} has shape {list(value.shape)}, "
+                                      f"its parameter {list(params[index].shape)}")
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise CheckpointError(f"optimizer state {index}.{key} has non-finite values")
 
 
 def _default_predictor(model: torch.nn.Module) -> PathPredictor:

@@ -29,7 +29,7 @@ def train_cuda(budget=None, **options):
         input_names=spec.input_names, target_names=spec.target_names, optimizer="adamw", name="gpt", **options,
     )
     losses = [trainer.step(*inputs, *targets) for inputs, targets in data]
-    return trainer, losses, trainer.state_dict()
+    return trainer, losses, trainer.flat_state()
 
 
 @pytest.fixture(scope="module")

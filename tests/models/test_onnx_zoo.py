@@ -115,7 +115,7 @@ def test_exported_light_model_trains_like_torch():
     # 49 BatchNorms over batch statistics amplify rounding (and a conv bias before a BatchNorm
     # has a true gradient of zero, so its update is pure rounding): compare the update of all
     # state (new - initial value) as one vector, normwise.
-    state = trainer.state_dict()
+    state = trainer.flat_state()
     initial = build_light_model("shufflenet", batch=2).module.state_dict()
     names = sorted(initial)
     ours = np.concatenate([(state[n] - initial[n].numpy()).ravel() for n in names])

@@ -68,11 +68,11 @@ def main() -> int:
             if number == args.die_at and rank == 1:
                 os._exit(3)
             trainer.step(*inputs, *targets)
-            state = trainer.state_dict()
+            state = trainer.flat_state()
             digests.append(hashlib.sha256(b"".join(state[n].tobytes() for n in sorted(state))).hexdigest())
             if number == args.save_after:
                 trainer.save(out / "checkpoint.npz")
-        np.savez(out / f"rank{rank}.npz", **trainer.state_dict())
+        np.savez(out / f"rank{rank}.npz", **trainer.flat_state())
         record.update(losses=trainer.losses, report=trainer.report(), digests=digests)
         code = 0
     except OffloadError as e:

@@ -43,13 +43,13 @@ def test_a_fraction_of_the_largest_shapes_trains_every_length_up_to_them(unbudge
 def test_without_max_shapes_a_longer_batch_raises_its_own_minimum_before_anything_changes():
     data = batches("gpt", 2, seq_lengths=[8, 16])
     run = train_ort("gpt", data=data[:1], budget="0.12x", passes="auto")
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     with pytest.raises(BudgetTooSmallError) as caught:
         run.trainer.step(*data[1][0], *data[1][1])
     report = run.trainer.report()
     assert caught.value.budget_bytes == report["budget_bytes"] < caught.value.needed_bytes
     assert f"({caught.value.needed_bytes} bytes)" in str(caught.value)
-    after = run.trainer.state_dict()
+    after = run.trainer.flat_state()
     assert all(before[k].tobytes() == after[k].tobytes() for k in before) and run.trainer.steps_done == 1
     assert report["budget_resolved_against"]["source"] == "first batch"
     assert report["budget_resolved_against"]["shapes"]["ids"] == [8, 8]

@@ -38,7 +38,7 @@ def craft(path: Path, meta, state: dict[str, np.ndarray], **extra) -> Path:
 
 
 def assert_unchanged(trainer, state, steps=2, losses=2):
-    now = trainer.state_dict()
+    now = trainer.flat_state()
     assert [k for k in state if now[k].tobytes() != state[k].tobytes()] == []
     assert trainer.steps_done == steps and len(trainer.losses) == losses
 
@@ -111,16 +111,16 @@ def test_non_finite_or_mismatched_tensors_are_refused(tmp_path, trained):
         with pytest.raises(CheckpointError, match="non-finite"):
             trainer.load(craft(tmp_path / "nan.npz", good_meta(), bad))
         with pytest.raises(CheckpointError, match="non-finite"):
-            trainer.load_state_dict(bad)
+            trainer.load_flat_state(bad)
     wrong_dtype = {**state, name: state[name].astype(np.float64)}
     with pytest.raises(CheckpointError):
         trainer.load(craft(tmp_path / "dtype.npz", good_meta(), wrong_dtype))
     with pytest.raises(CheckpointError):
-        trainer.load_state_dict({**state, "optimizer.step": np.array(np.nan, dtype=np.float32)})
+        trainer.load_flat_state({**state, "optimizer.step": np.array(np.nan, dtype=np.float32)})
     with pytest.raises(CheckpointError):
-        trainer.load_state_dict({**state, "optimizer.step": np.array(0.5, dtype=np.float32)})
+        trainer.load_flat_state({**state, "optimizer.step": np.array(0.5, dtype=np.float32)})
     with pytest.raises(CheckpointError):
-        trainer.load_state_dict([1, 2])
+        trainer.load_flat_state([1, 2])
     assert_unchanged(trainer, state)
 
 

@@ -118,7 +118,7 @@ def _assert_state_close(got: dict, expected: dict) -> None:
 def test_two_ranks_match_one_process_at_the_global_batch(two_ranks, one_process):
     losses = two_ranks["records"][0]["losses"]
     np.testing.assert_allclose(losses, one_process.losses, rtol=1e-6, atol=0)
-    _assert_state_close(dict(np.load(two_ranks["out"] / "rank0.npz")), one_process.state_dict())
+    _assert_state_close(dict(np.load(two_ranks["out"] / "rank0.npz")), one_process.flat_state())
 
 
 def test_sharded_state_gives_the_unsharded_results_with_half_the_moments_per_rank(two_ranks_sharded, two_ranks,
@@ -132,9 +132,9 @@ def test_sharded_state_gives_the_unsharded_results_with_half_the_moments_per_ran
     assert records[0]["digests"] == records[1]["digests"] and len(records[0]["digests"]) == STEPS
     state = dict(np.load(two_ranks_sharded["out"] / "rank0.npz"))
     _assert_state_close(state, dict(np.load(two_ranks["out"] / "rank0.npz")))
-    _assert_state_close(state, one_process.state_dict())
+    _assert_state_close(state, one_process.flat_state())
     graph = one_process.graph
-    moments = {n: a.nbytes for n, a in one_process.state_dict().items()
+    moments = {n: a.nbytes for n, a in one_process.flat_state().items()
                if graph.roles.get(n) == Role.OPTIMIZER_STATE and n not in (LR_INPUT, STEP_INPUT)}
     replicated = unsharded["report"]["optimizer_state_bytes"] - sum(moments.values())  # lr and step
     per_rank = [records[r]["report"]["optimizer_state_bytes"] - replicated for r in (0, 1)]
@@ -171,7 +171,7 @@ def test_each_rank_graph_updates_its_own_parameters_and_holds_the_other_gradient
     from ort_offload.distributed import gradients_first
     from ort_offload.sharding import RELEASE_PREFIX, partition_parameters, rank_graph
 
-    graph, state = one_process.graph, one_process.state_dict()
+    graph, state = one_process.graph, one_process.flat_state()
     shards = partition_parameters(graph, {n: a.nbytes for n, a in state.items()}, 2)
     updated = []
     for rank in (0, 1):
@@ -208,7 +208,7 @@ def test_two_runs_are_bitwise_identical(two_ranks, tmp_path):
 def test_report_counts_the_averaged_gradients(two_ranks, one_process):
     report = two_ranks["records"][0]["report"]
     params = [n for n in one_process.graph.state_inputs if one_process.graph.roles.get(n) == Role.PARAM]
-    grad_bytes = sum(one_process.state_dict()[n].nbytes for n in params)
+    grad_bytes = sum(one_process.flat_state()[n].nbytes for n in params)
     assert report["world_size"] == 2 and report["rank"] == 0
     assert report["allreduce_bytes"] == STEPS * grad_bytes
     assert report["comm_time_s"] > 0

@@ -325,10 +325,10 @@ BAD_META = st.fixed_dictionaries({}, optional={
 
 def _check_load(trainer, path: Path) -> None:
     """Loading ``path`` raises CheckpointError with the state unchanged, or restores it exactly."""
-    before, steps = trainer.state_dict(), trainer.steps_done
+    before, steps = trainer.flat_state(), trainer.steps_done
     with contextlib.suppress(CheckpointError):
         trainer.load(path)
-    after = trainer.state_dict()
+    after = trainer.flat_state()
     assert all(before[k].tobytes() == after[k].tobytes() for k in before)
     assert trainer.steps_done == steps
 
@@ -339,7 +339,7 @@ def _checkpoint_fuzz(saved, tmp_path_factory, how=None, meta=None):
     if how is not None:
         path.write_bytes(_mutate(data, how))
     else:
-        state = {f"state/{k}": v for k, v in trainer.state_dict().items()}
+        state = {f"state/{k}": v for k, v in trainer.flat_state().items()}
         np.savez(path, __meta__=np.array(json.dumps(meta)), **state)
     _check_load(trainer, path)
 
@@ -363,7 +363,7 @@ def test_bad_checkpoint_metadata(saved, tmp_path_factory, meta):
     trainer, _ = saved
     with pytest.raises(CheckpointError):
         path = tmp_path_factory.mktemp("meta") / "c.npz"
-        state = {f"state/{k}": v for k, v in trainer.state_dict().items()}
+        state = {f"state/{k}": v for k, v in trainer.flat_state().items()}
         np.savez(path, __meta__=np.array(json.dumps(meta)), **state)
         trainer.load(path)
     assert issubclass(CheckpointError, OffloadError)
@@ -455,10 +455,10 @@ ARRAYS = st.tuples(
 @given(batch=st.lists(ARRAYS, min_size=0, max_size=3))
 def test_bad_batches_raise_input_mismatch_and_keep_the_state(gpt_trainer, batch):
     """A step on arrays of any dtype, shape and value: it trains, or an OffloadError leaves the state as it was."""
-    before, steps = gpt_trainer.state_dict(), gpt_trainer.steps_done
+    before, steps = gpt_trainer.flat_state(), gpt_trainer.steps_done
     try:
         gpt_trainer.step(*batch)
     except OffloadError as e:
         assert "\n" not in str(e)
-        after = gpt_trainer.state_dict()
+        after = gpt_trainer.flat_state()
         assert all(before[k].tobytes() == after[k].tobytes() for k in before) and gpt_trainer.steps_done == steps

@@ -44,13 +44,13 @@ def test_a_nan_batch_is_counted_and_the_report_stays_strict_json():
 
 def test_stop_on_nonfinite_raises_before_the_state_changes():
     run = train_ort("mlp", steps=1, optimizer="adamw", stop_on_nonfinite=True)
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     ((x,), (y,)), = batches("mlp", 1)
     bad = x.clone()
     bad[1, 2] = float("inf")
     with pytest.raises(NonFiniteError, match="step 2 .*the loss"):
         run.trainer.step(bad, y)
-    assert unchanged(before, run.trainer.state_dict())
+    assert unchanged(before, run.trainer.flat_state())
     assert run.trainer.steps_done == 1 and len(run.trainer.losses) == 1
     assert np.isfinite(run.trainer.step(x, y)) and run.trainer.steps_done == 2  # it goes on training
 
@@ -61,11 +61,11 @@ def test_an_overflowing_update_is_caught_though_the_loss_is_finite():
     trainer = ort_offload.create_ort_trainer(
         ort_offload.set_offload_device("cpu"), spec.model, loss_fn=spec.loss_fn, example_inputs=(x,),
         example_targets=(y,), optimizer=SGD(lr=3e38), stop_on_nonfinite=True)
-    before = trainer.state_dict()
+    before = trainer.flat_state()
     with pytest.raises(NonFiniteError) as caught:
         trainer.step(x * 1000, y)
     assert "the loss" not in str(caught.value)  # an updated tensor, not the loss, was non-finite
-    assert unchanged(before, trainer.state_dict()) and trainer.steps_done == 0
+    assert unchanged(before, trainer.flat_state()) and trainer.steps_done == 0
 
 
 def test_empty_batches_are_refused():
@@ -79,12 +79,12 @@ def test_empty_batches_are_refused():
 def test_token_ids_outside_the_vocabulary_are_input_mismatches_and_change_nothing():
     data = batches("gpt", 2)
     run = train_ort("gpt", data=data[:1], optimizer="adamw")
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     (ids,), (targets,) = data[1]
     for bad in (ids - ids - 1, ids + 10_000):  # -1 (ONNX Runtime would wrap it) and past the table
         with pytest.raises(InputMismatchError, match="vocabulary"):
             run.trainer.step(bad, targets)
-    assert unchanged(before, run.trainer.state_dict())
+    assert unchanged(before, run.trainer.flat_state())
     assert np.isfinite(run.trainer.step(ids, targets))
 
 
@@ -114,10 +114,10 @@ def test_dynamic_trainer_stops_before_the_optimizer_on_a_nan_loss():
     trainer = BlockwiseTrainer(spec.model, spec.loss_fn, stop_on_nonfinite=True)
     try:
         (ids,), (y,) = spec.make_batch(seed=0)
-        before = {k: v.copy() for k, v in trainer.state_dict().items()}
+        before = {k: v.copy() for k, v in trainer.flat_state().items()}
         with pytest.raises(NonFiniteError):
             _nan_step(trainer, ids, y)
-        assert unchanged(before, trainer.state_dict())
+        assert unchanged(before, trainer.flat_state())
         assert trainer.report()["nonfinite_steps"] == 1
     finally:
         trainer.close()

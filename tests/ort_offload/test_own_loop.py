@@ -14,7 +14,8 @@ import torch
 import ort_offload
 from helpers import batches, max_relative_diff
 from models import get_model
-from ort_offload.errors import CheckpointError, InvalidArgumentError
+from graph_passes.ir.training_graph import Role
+from ort_offload.errors import CheckpointError, InputMismatchError, InvalidArgumentError
 
 ACCUMULATE = 4
 CLIP = 1.0
@@ -101,17 +102,53 @@ def test_offloaded_forward_backward_equal_the_unplanned_program_bitwise(name):
 
 
 def test_offloaded_backward_scales_and_sums_like_torch():
-    data = batches("mlp", 2)
+    """The incoming gradient is honoured: scaled losses, a non-scalar result with backward(g),
+    sums over several backward calls; a second backward through one loss is a clear error."""
+    data = batches("mlp", 3)
     spec, module = _offloaded("mlp", data, None)
     reference = copy.deepcopy(spec.model)
     for (inputs, targets), scale in zip(data, (0.5, 0.25)):
         (module(*inputs, *targets) * scale).backward()
         (spec.loss_fn(reference(*inputs), *targets) * scale).backward()
+    (inputs, targets), weights = data[2], torch.tensor([0.5, 2.0])
+    torch.stack([module(*inputs, *targets), 3 * module(*inputs, *targets)]).backward(weights)
+    theirs = spec.loss_fn(reference(*inputs), *targets)
+    torch.stack([theirs, 3 * theirs]).backward(weights)
     for ours, theirs in zip(module.parameters(), reference.parameters()):
         assert max_relative_diff(ours.grad.numpy(), theirs.grad.numpy()) <= 1e-5
+    loss = module(*inputs, *targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_training_forward_without_gradients_runs_the_forward_part_only():
+    """Under torch.no_grad() or with frozen parameters a training-mode call costs a forward:
+    the loss and BatchNorm statistics as torch's, no backward program run, within the budget."""
+    data = batches("cnn", 2)
+    spec, module = _offloaded("cnn", data, "0.5x")
+    reference = copy.deepcopy(spec.model)
+    (inputs, targets) = data[0]
     with torch.no_grad():
-        loss = module(*data[0][0], *data[0][1])
-    assert not loss.requires_grad
+        ours = module(*inputs, *targets)
+        theirs = spec.loss_fn(reference(*inputs), *targets)
+    assert not ours.requires_grad and abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item())
+    for a, b in zip(module.buffers(), reference.buffers()):  # running statistics moved as torch's
+        assert max_relative_diff(a.double().numpy(), b.double().numpy()) <= 1e-5
+    module.requires_grad_(False)
+    reference.requires_grad_(False)
+    ours = module(*data[1][0], *data[1][1])
+    theirs = spec.loss_fn(reference(*data[1][0]), *data[1][1])
+    assert not ours.requires_grad and abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item())
+    assert module.trainer.steps_done == 0 and module.trainer.runner.step_times_s == []  # no backward ran
+    forward_part = module._forward_part.graph
+    assert Role.GRAD not in forward_part.roles.values()
+    assert len(forward_part.model.graph.node) < len(module.trainer.graph.model.graph.node)
+    stats = module.trainer.runtime.stats
+    assert 0 < stats.peak_device_bytes <= module.report()["budget_bytes"]
+    module.requires_grad_(True)
+    with pytest.raises(InputMismatchError, match="detach"):
+        module(inputs[0].clone().requires_grad_(True), *targets)
 
 
 def test_in_graph_trainer_with_torch_optimizer_scheduler_clipping_and_accumulation_matches_torch():
@@ -137,7 +174,7 @@ def test_in_graph_trainer_with_torch_optimizer_scheduler_clipping_and_accumulati
     assert report["within_budget"] is True and report["budget_bytes"] < report["baseline_peak_bytes"]
     _assert_params_close(trainer.copy_to(copy.deepcopy(spec.model)), reference)
     torch_optimizer = torch.optim.AdamW(reference.parameters())
-    torch_optimizer.load_state_dict(trainer.torch_state_dict()["optimizer"])  # torch takes the layout
+    torch_optimizer.load_state_dict(trainer.state_dict()["optimizer"])  # torch takes the layout
 
 
 @pytest.mark.parametrize("make", [
@@ -234,32 +271,63 @@ def test_trainer_checkpoint_resumes_in_plain_torch_and_back(tmp_path):
 
 
 def test_bad_torch_checkpoints_leave_the_trainer_unchanged(tmp_path):
+    """load_state_dict (torch's layout) checks everything first: one CheckpointError, state as before."""
     data = batches("mlp", 2)
     spec = get_model("mlp")
     trainer = _trainer(spec, data)
     for inputs, targets in data:
         trainer.step(*inputs, *targets)
-    good = trainer.torch_state_dict()
-    before = trainer.state_dict()
+    good = trainer.state_dict()
+    assert sorted(good) == ["model", "optimizer", "step"] and good["step"] == 2
+    assert all(isinstance(t, torch.Tensor) for t in good["model"].values())
+    before = trainer.flat_state()
     name = next(iter(good["model"]))
+    moments = good["optimizer"]["state"][0]
     bad_states = [
         {**good, "step": 5},  # disagrees with the optimizer's step
         {**good, "model": {**good["model"], name: torch.zeros(3, 3)}},
+        {**good, "model": {**good["model"], name: good["model"][name].double()}},
         {**good, "model": {k: v for k, v in good["model"].items() if k != name}},
+        {**good, "model": {**good["model"], "extra.weight": torch.zeros(1)}},
         {**good, "model": {**good["model"], name: torch.full_like(good["model"][name], float("nan"))}},
+        {**good, "optimizer": {**good["optimizer"], "state": {**good["optimizer"]["state"],
+                                                             0: {**moments, "exp_avg": torch.zeros(2)}}}},
+        {**good, "optimizer": {"state": {}}},
         {"model": good["model"], "step": 2},
         [1, 2],
     ]
     for state in bad_states:
-        with pytest.raises(CheckpointError):
-            trainer.load_torch_state_dict(state)
+        with pytest.raises(CheckpointError) as info:
+            trainer.load_state_dict(state)
+        assert "\n" not in str(info.value)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError):
         trainer.load(tmp_path / "junk.pt")
-    after = trainer.state_dict()
+    after = trainer.flat_state()
     assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
-    trainer.load_torch_state_dict(good)  # the good one loads, bitwise
-    assert all(np.array_equal(before[k], v) for k, v in trainer.state_dict().items())
+    trainer.load_state_dict(good)  # the good one loads, bitwise
+    assert all(np.array_equal(before[k], v) for k, v in trainer.flat_state().items())
+
+
+def test_old_npz_checkpoints_still_load(tmp_path):
+    """A checkpoint in the flat .npz format (what save() wrote before torch's layout, whatever
+    the suffix) still resumes; an ONNX-graph trainer without a torch model says to use flat_state."""
+    data = batches("mlp", 4)
+    spec = get_model("mlp")
+    trainer = _trainer(spec, data)
+    for inputs, targets in data[:2]:
+        trainer.step(*inputs, *targets)
+    from ort_offload.checkpoint import Checkpoint, write_checkpoint
+    old = write_checkpoint(tmp_path / "old.pt", Checkpoint(model="mlp", steps=2, losses=list(trainer.losses),
+                                                          state=trainer.flat_state()))
+    expected = [trainer.step(*i, *t) for i, t in data[2:]]
+    resumed = _trainer(get_model("mlp"), data)
+    resumed.load(old)
+    assert resumed.steps_done == 2
+    _close([resumed.step(*i, *t) for i, t in data[2:]], expected, rtol=0)
+    resumed.model = None
+    with pytest.raises(ort_offload.errors.OffloadError, match="flat_state"):
+        resumed.state_dict()
 
 
 def test_eval_outputs_are_torch_tensors_equal_to_torch():
@@ -316,12 +384,12 @@ def test_tied_parameters_in_the_offloaded_module_and_torch_checkpoints(tmp_path)
     trainer = ort_offload.create_ort_trainer(device, TiedLM(), loss_fn=lm_loss, example_inputs=data[0][0],
                                              example_targets=data[0][1], cache_dir=tmp_path)
     trainer.step(*data[0][0], *data[0][1])
-    state = trainer.torch_state_dict()
+    state = trainer.state_dict()
     assert torch.equal(state["model"]["head.weight"], state["model"]["emb.weight"])
     fresh = TiedLM()
     fresh.load_state_dict(state["model"])
     torch.optim.AdamW(fresh.parameters()).load_state_dict(state["optimizer"])
-    trainer.load_torch_state_dict(state)
+    trainer.load_state_dict(state)
 
 
 def test_reduce_lr_on_plateau_steps_on_the_update_loss():

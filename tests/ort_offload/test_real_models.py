@@ -290,12 +290,12 @@ def test_unused_parameters_are_kept_never_updated_and_reported(tmp_path):
     before = WithUnused().spare.weight.detach().clone()
     trainer = assert_trains_like_torch(WithUnused, regression_data(), mse, tmp_path)
     assert trainer.graph.unused_params == ["spare.weight", "spare.bias"]
-    np.testing.assert_array_equal(trainer.state_dict()["spare.weight"], before.numpy())
+    np.testing.assert_array_equal(trainer.flat_state()["spare.weight"], before.numpy())
 
 
 def test_non_persistent_buffers_are_state_too(tmp_path):
     trainer = assert_trains_like_torch(WithPositions, regression_data(batch=5), mse, tmp_path)
-    np.testing.assert_array_equal(trainer.state_dict()["positions"], np.arange(5))
+    np.testing.assert_array_equal(trainer.flat_state()["positions"], np.arange(5))
 
 
 # ---- item 4: constant tensors -------------------------------------------------------------------

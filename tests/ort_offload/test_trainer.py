@@ -94,7 +94,7 @@ def test_dynamic_sequence_lengths_share_one_export():
 
 def test_wrong_batch_is_a_clear_error_and_changes_nothing():
     run = train_ort("mlp", steps=1)
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     ((x,), (y,)), = batches("mlp", 1)
     with pytest.raises(InputMismatchError):
         run.trainer.step(x[:, :5], y)  # wrong feature count
@@ -102,7 +102,7 @@ def test_wrong_batch_is_a_clear_error_and_changes_nothing():
         run.trainer.step(x)  # missing the target
     with pytest.raises(InputMismatchError):
         run.trainer.step(x.double(), y)  # wrong dtype
-    after = run.trainer.state_dict()
+    after = run.trainer.flat_state()
     assert all(before[k].tobytes() == after[k].tobytes() for k in before)
     assert run.trainer.steps_done == 1
 
@@ -118,13 +118,13 @@ def test_checkpoint_round_trip_resumes_bitwise(tmp_path):
     assert resumed.trainer.steps_done == 2
     for inputs, targets in data[2:]:
         resumed.trainer.step(*inputs, *targets)
-    final = resumed.trainer.state_dict()
+    final = resumed.trainer.flat_state()
     assert all(final[k].tobytes() == full.state[k].tobytes() for k in final)
 
 
 def test_bad_checkpoints_leave_the_trainer_unchanged(tmp_path):
     run = train_ort("mlp", steps=1)
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     (tmp_path / "junk.npz").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError):
         run.trainer.load(tmp_path / "junk.npz")
@@ -134,10 +134,10 @@ def test_bad_checkpoints_leave_the_trainer_unchanged(tmp_path):
     first = next(iter(bad))
     bad[first] = np.zeros((3, 3), dtype=np.float32)
     with pytest.raises(CheckpointError):
-        run.trainer.load_state_dict(bad)
+        run.trainer.load_flat_state(bad)
     with pytest.raises(CheckpointError):
-        run.trainer.load_state_dict({k: v for k, v in before.items() if k != first})
-    after = run.trainer.state_dict()
+        run.trainer.load_flat_state({k: v for k, v in before.items() if k != first})
+    after = run.trainer.flat_state()
     assert all(before[k].tobytes() == after[k].tobytes() for k in before)
 
 
@@ -159,10 +159,10 @@ def test_copy_to_and_eval_match_torch():
 def test_learning_rate_can_change_between_steps():
     run = train_ort("mlp", steps=1, optimizer=SGD(lr=0.1))
     run.trainer.lr = 0.0
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     ((x,), (y,)), = batches("mlp", 1)
     run.trainer.step(x, y)
-    after = run.trainer.state_dict()
+    after = run.trainer.flat_state()
     assert run.trainer.lr == 0.0
     assert all(np.array_equal(before[k], after[k]) for k in before if not k.startswith("optimizer."))
 
@@ -172,7 +172,7 @@ def test_a_failing_step_is_a_clear_error_and_keeps_the_state(monkeypatch):
 
     data = batches("gpt", 2)
     run = train_ort("gpt", data=data[:1], optimizer="adamw")
-    before = run.trainer.state_dict()
+    before = run.trainer.flat_state()
     (ids,), (targets,) = data[1]
     with pytest.raises(InputMismatchError, match="vocabulary"):
         run.trainer.step(ids + 10_000, targets)  # token ids past the embedding table: refused before running
@@ -180,7 +180,7 @@ def test_a_failing_step_is_a_clear_error_and_keeps_the_state(monkeypatch):
         patch.setattr(BlockSession, "run_at", lambda self, *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
         with pytest.raises(ExecutionError, match="kernel failed"):
             run.trainer.step(ids, targets)
-    after = run.trainer.state_dict()
+    after = run.trainer.flat_state()
     assert [k for k in before if before[k].tobytes() != after[k].tobytes()] == []
     loss = run.trainer.step(ids, targets)  # the trainer still works
     assert np.isfinite(loss) and run.trainer.steps_done == 2

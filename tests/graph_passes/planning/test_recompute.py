@@ -129,7 +129,7 @@ def test_dropout_masks_replay_so_recompute_stays_bitwise():
     losses, trainer = _train_with_dropout("0.75x", "recompute")
     assert trainer.report()["recomputed_nodes"] > 0
     assert losses == ref_losses
-    state, ref_state = trainer.state_dict(), ref.state_dict()
+    state, ref_state = trainer.flat_state(), ref.flat_state()
     assert all(state[k].tobytes() == v.tobytes() for k, v in ref_state.items())
 
 

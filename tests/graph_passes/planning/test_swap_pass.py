@@ -66,7 +66,7 @@ def test_the_runtime_executes_a_rewritten_graph_with_real_swaps():
         trainer = OrtTrainer(device, g, initial_state=state, example_batch=data[0],
                              input_names=g.data_inputs, target_names=[])
         losses = [trainer.step(*(b[n] for n in g.data_inputs)) for b in data]
-        return trainer, losses, trainer.state_dict()
+        return trainer, losses, trainer.flat_state()
 
     _, expected_losses, expected_state = train(graph, set_offload_device("cpu"))
     trainer, losses, state_after = train(result.graph, set_offload_device("cpu", budget=budget))

@@ -19,7 +19,7 @@ from ort_offload.runtime.block_session import default_session_options
 from ort_offload.dynamic.block_export import export_block_step, split_step
 from ort_offload.dynamic.blockwise import BlockStepCache, default_blocks, unwrap_blocks, wrap_blocks
 from ort_offload.dynamic.trainer import BlockwiseTrainer
-from ort_offload.errors import ExportError, InputMismatchError
+from ort_offload.errors import CheckpointError, ExportError, InputMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,37 @@ def test_adamw_steps_equal_torch(cache):
     spec = get_dynamic_model("var-lstm", "tiny")
     batches = [spec.make_batch(BATCH, seed=20 + seed, key=key) for seed, key in enumerate((6, 12, 4))]
     _train_beside_torch(spec, cache, "adamw", 1e-2, batches)
+
+
+def test_state_dict_moves_to_plain_torch_and_back(cache):
+    """The torch-layout state of a block-wise trainer continues in plain torch with the same next
+    loss and loads back; a misfit is one CheckpointError with nothing changed."""
+    spec = get_dynamic_model("var-lstm", "tiny")
+    batches = [spec.make_batch(BATCH, seed=30 + seed, key=key) for seed, key in enumerate((6, 12, 4))]
+    trainer = BlockwiseTrainer(spec.model, spec.loss_fn, optimizer="adamw", lr=1e-2, cache=cache)
+    for inputs, targets in batches[:2]:
+        trainer.step(*inputs, *targets)
+    state = trainer.state_dict()
+    assert sorted(state) == ["model", "optimizer", "step"] and state["step"] == 2
+    ref = copy.deepcopy(get_dynamic_model("var-lstm", "tiny").model)
+    ref.load_state_dict(state["model"])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(state["optimizer"])
+    name = next(iter(state["model"]))
+    before = trainer.flat_state()
+    for bad in ({**state, "model": {**state["model"], name: state["model"][name].double()}},
+                {**state, "optimizer": {**state["optimizer"], "param_groups": []}},
+                {**state, "optimizer": {**state["optimizer"], "state": {99: {}}}},
+                {**state, "step": -1}, {"model": state["model"]}):
+        with pytest.raises(CheckpointError):
+            trainer.load_state_dict(bad)
+    assert all(np.array_equal(v, trainer.flat_state()[k]) for k, v in before.items())
+    trainer.load_state_dict(state)
+    inputs, targets = batches[2]
+    got = trainer.step(*inputs, *targets)
+    want = spec.loss_fn(ref(*inputs), *targets)
+    assert abs(got - want.item()) <= REL_TOL * abs(want.item()) and trainer.steps_done == 3
+    trainer.close()
 
 
 def test_each_block_signature_exported_once(tmp_path):

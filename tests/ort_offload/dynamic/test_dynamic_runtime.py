@@ -41,7 +41,7 @@ def _train(name, budget=None, predictor=None, *, steps=STEPS, keys=None, host=Fa
             trainer.step(*inputs, *targets)
     finally:
         trainer.close()
-    return trainer, trainer.state_dict()
+    return trainer, trainer.flat_state()
 
 
 def _torch_losses(name, steps=STEPS):
@@ -145,7 +145,7 @@ def test_on_demand_only_fetches_everything_by_fault():
     spec = get_dynamic_model("var-lstm", "tiny", seed=0)
     params = sum(1 for b in spec.model.blocks() for _ in b.parameters())
     assert stats.faults >= STEPS * params  # every parameter faults in at least once per step
-    _assert_same((on_demand, on_demand.state_dict()), _train("var-lstm", host=True))
+    _assert_same((on_demand, on_demand.flat_state()), _train("var-lstm", host=True))
 
 
 def test_misprediction_cache_and_log(tmp_path):
@@ -257,7 +257,7 @@ def test_pilot_guided_training():
     assert report["exact_path_accuracy"] == 1.0 and report["mispredictions"] == 0
     assert report["faults"] == 0
     assert report["pilot_inference_us_median"] > 0 and report["pilot_mapping_us_median"] > 0
-    _assert_same((trainer, trainer.state_dict()), _train("var-lstm", host=True))
+    _assert_same((trainer, trainer.flat_state()), _train("var-lstm", host=True))
 
 
 def test_pilot_features_do_not_drift_with_training():
