@@ -163,6 +163,16 @@ class _Operators:
         values = {n for b in seed_plan.blocks for n in b.outputs} | set(seed_plan.state_inputs)
         ranked = sorted(values, key=lambda n: (n not in swapped, -sizes.get(n, 0), n))
         self.gene_tensors = tuple(ranked[: config.gene_tensors])
+        self.independent = _batch_independent(io, seed_plan.data_inputs, sizes, producer)
+
+    def independent_first(self, g: Genome) -> Genome:
+        """The genome with the nodes that do not depend on the batch and make only small values
+        (optimizer scalars: step counts, bias corrections) run first: compute that can fill the
+        forward, where copies out of the device set the pace."""
+        prefix = g.schedule[: self.movable]
+        first = tuple(n for n in prefix if n in self.independent)
+        rest = tuple(n for n in prefix if n not in self.independent)
+        return dataclasses.replace(g, schedule=first + rest + g.schedule[self.movable:])
 
     def crossover(self, a: Genome, b: Genome) -> Genome:
         rng = self.rng
@@ -247,6 +257,24 @@ class _Operators:
         return frozenset(c for c in cuts if 0 < c < n)
 
 
+SMALL_VALUE_BYTES = 4096  # what independent_first moves: nodes whose every output is at most this
+
+
+def _batch_independent(io, data_inputs, sizes: Mapping[str, int], producer: Mapping[str, int]) -> frozenset[int]:
+    """Nodes that read no value derived from the batch, make only values of at most
+    :data:`SMALL_VALUE_BYTES`, and whose producers of what they read are such nodes too."""
+    derived = set(data_inputs)
+    chosen: set[int] = set()
+    for i, entry in enumerate(io):  # the graph's node order is topological
+        if any(name in derived for name in entry.reads):
+            derived.update(entry.outputs)
+            continue
+        small = all(sizes.get(name, 0) <= SMALL_VALUE_BYTES for name in entry.outputs)
+        if small and all(producer[name] in chosen for name in entry.reads if name in producer):
+            chosen.add(i)
+    return frozenset(chosen)
+
+
 def _victims(classes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((t, c) for t, c in classes.items() if c != DEFAULT))
 
@@ -310,7 +338,10 @@ class GeneticSwapSearch:
         winners, each mutated."""
         rng, cfg = ops.rng, self.config
         if fill:
-            return [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
+            children = [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
+            if len(population) == 1:  # the first generation also tries the batch-independent nodes first
+                children[0] = ops.independent_first(population[0])
+            return children
         children = []
         for _ in range(cfg.children):
             a, b = self._tournament(population, scored, rng), self._tournament(population, scored, rng)

@@ -5,6 +5,7 @@ unplanned run on the CPU device."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -119,6 +120,38 @@ def test_the_bound_is_below_every_plan_and_counts_the_link():
     tiny = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=0)
     assert tiny.h2d_bytes == tiny.necessary_live_bytes > 0 and tiny.link_s > 0
     assert step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=10**12).link_s == 0
+
+
+@pytest.mark.parametrize("where", [0.0, 0.15, 0.4, 0.8])
+def test_the_bound_is_below_every_grid_and_ga_plan(where):
+    """Property: at several budgets, no plan the grid considered or the GA decoded beats the
+    bound (every block size, state placement, schedule, cut and keep/swap choice tried), and
+    the bound is at least the compute."""
+    graph, infos, finest, seed, space = _chain_space(where=where)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=space.budget)
+    assert bound.seconds >= bound.compute_s and bound.seconds >= bound.split_s and bound.seconds >= bound.link_s
+    times = []
+
+    def evaluate(program):
+        times.append(space.evaluate(program))
+        return times[-1]
+
+    probe = dataclasses.replace(space, evaluate=evaluate)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=3)).search(seed, probe)
+    assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
+    assert seed.step_time_s >= bound.seconds * (1 - 1e-9)
+
+
+def test_the_split_bound_sees_evictions_the_compute_cannot_hide():
+    """A chain whose early values must leave while little compute runs: the split bound is
+    above the compute and the whole-step link bound, and still below the plans."""
+    graph, infos, finest, seed, space = _chain_space(width=256, where=0.0)
+    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    assert bound.split_s > max(bound.compute_s, bound.link_s) and bound.split
+    program = seed.program
+    assert simulate_time(program, infos, model=graph.model, profile=slow_link,
+                         budget=space.budget).step_time_s >= bound.seconds
 
 
 def _train(name, budget, *, plan_time, seed=0, steps=3):
