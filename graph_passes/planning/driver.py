@@ -254,7 +254,8 @@ class StepPlanner:
 
         def with_swaps(label: str, outcome: RewriteOutcome, programs) -> None:
             nonlocal least
-            choice, need, seconds = self._plan_swaps(list(programs), outcome.infos, budget, outcome.model)
+            choice, need, seconds = self._plan_swaps(list(programs), outcome.infos, budget, outcome.model,
+                                                     refine=False)
             least = min(least, need)
             if choice is not None:
                 passes = ("recompute", "swap") if outcome.added_nodes else ("swap",)
@@ -283,9 +284,11 @@ class StepPlanner:
         self.last_segment_costs = costs
         if not candidates:
             return RewriteOutcome(model, infos, None, 0, least)
-        label, _, best = min(candidates, key=lambda c: c[1])
+        label, seconds, best = min(candidates, key=lambda c: c[1])
+        self.last_plan_search = PlanSearch(GRID, seconds, seconds, 0.0)
         if label != "recompute":
             self.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
+            best = self._refine(best, seconds, budget)
         logger.info("recompute or swap for %s on %s: %s (%s)", self.target.graph.name, profile.name, label,
                     ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in self.last_choice))
         return dataclasses.replace(best, needed_bytes=least)
@@ -324,10 +327,20 @@ class StepPlanner:
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
                         split_nodes=split_node_count(model), split_plan=result)
 
-    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto):
+    def _refine(self, outcome: RewriteOutcome, seconds: float, budget: int) -> RewriteOutcome:
+        """The chosen candidate's swap plan searched further (:func:`refine_swap_plan`), where
+        copies overlap compute: only the winner is refined, so the time limit holds once."""
+        if not self.target.profile().copies_overlap_compute or self.target.blocks_fixed:
+            return outcome
+        choice, _, self.last_plan_search = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos,
+                                                            budget, outcome.model)
+        return dataclasses.replace(outcome, choice=choice)
+
+    def _plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto, *, refine: bool = True):
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the planning profile), the least budget any of them needs, and the plan's simulated step
-        time; (None, least budget, None) if none fits. Where copies overlap compute, the same
+        time; (None, least budget, None) if none fits (``refine``: then searched further,
+        :func:`refine_swap_plan`, where copies overlap compute). Where copies overlap compute, the same
         graph is also planned with its state updates as soon as their gradients exist
         (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
@@ -335,7 +348,7 @@ class StepPlanner:
             best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
         if best is None:
             return None, needed, None
-        if self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
+        if refine and self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
             # Schedule, cuts, host state and keep/swap per tensor, searched from the grid's best.
             choice, seconds, self.last_plan_search = refine_swap_plan(self.layouts, *best, infos, budget, model)
             return choice, needed, seconds
