@@ -178,6 +178,18 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
     }
 
 
+def _recompute_row(row: dict, *, plan_time: float, bound: float) -> dict:
+    """The GA row with recompute allowed beside the trainer's own passes (split stays where
+    the minimum budget needs it); a budget they cannot plan is reported, not raised."""
+    from ort_offload.errors import BudgetTooSmallError
+
+    passes = tuple(dict.fromkeys((*row["trainer"].runner.passes, *RECOMPUTE_AND_SWAP)))
+    try:
+        return _simulated_row(**row, plan_time=plan_time, bound=bound, passes=passes)
+    except BudgetTooSmallError as e:
+        return {"status": "budget_too_small", "error": str(e), "passes": list(passes)}
+
+
 def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) -> dict[str, dict[str, Any]]:
     """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget by
     the grid and by the GA after it, replayed on it, vs the unplanned program's compute and
@@ -195,7 +207,7 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
         grid = _simulated_row(**row, plan_time=0.0, bound=bound.seconds)
         ga = _simulated_row(**row, plan_time=plan_time, bound=bound.seconds)
         # Recompute allowed too: the bound of swap plans does not hold, compute alone does.
-        ga_rc = _simulated_row(**row, plan_time=plan_time, bound=bound.compute_s, passes=RECOMPUTE_AND_SWAP)
+        ga_rc = _recompute_row(row, plan_time=plan_time, bound=bound.compute_s)
         out[name] = {**grid, "ga": ga, "ga_recompute": ga_rc,
                      "bound": {**dataclasses.asdict(bound), "arithmetic": bound.describe(), "wall_s": bound_s}}
     return out
@@ -545,7 +557,7 @@ def print_table(result: dict[str, Any], console) -> None:
                 ga = row["simulated"][p]["ga"]
                 sims += [f"{ga['pct_of_unlimited']:.1f}", f"{ga['pct_of_bound']:.1f}", f"{ga['plan_s']:.1f}"]
                 rc = row["simulated"][p]["ga_recompute"]
-                sims += [f"{rc['pct_of_unlimited']:.1f}", f"{rc['plan_s']:.1f}"]
+                sims += [f"{rc['pct_of_unlimited']:.1f}", f"{rc['plan_s']:.1f}"] if "status" not in rc else ["-", "-"]
             bitwise = row["losses_bitwise_equal"] and row["state_bitwise_equal"]
             table.add_row(
                 "", row["budget"] + ("" if row["budget"] != MINIMUM else f" ({row['budget_over_baseline_peak']:.3f}x)"),
