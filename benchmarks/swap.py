@@ -32,6 +32,9 @@ CNN ``small``; ``--quick``: their ``tiny`` configs), in one process:
    and with the genetic search after it (:mod:`graph_passes.planning.swap.ga`, ``--plan-time``
    seconds), each with its planning time; ``pct_of_bound`` = 100 × the lower bound of
    :mod:`graph_passes.cost.step_bound` / simulated step time (100 = at the physical limit).
+   A third plan per profile (``ga_recompute``) may also recompute (passes recompute and swap:
+   the planner's recompute-or-swap candidates, the fastest refined by the GA); its bound is
+   the compute alone, since recomputing trades link bytes for compute.
 
 Nothing is capped or skipped: every row is planned and run in full; how long planning took is
 reported per row (``plan_time_s``). A table is printed (rich) and the JSON goes to
@@ -61,6 +64,7 @@ TABLE_WIDTH = 180
 PROFILES = ("V100-16GB-PCIe3", "H100")
 FRACTIONS = ("1.0x", "0.5x", "0.25x")
 MINIMUM = "min"
+RECOMPUTE_AND_SWAP = ("recompute", "swap")  # the third simulated plan per profile
 PROBE_BUDGET = 1  # bytes: no plan fits, so BudgetTooSmallError states the minimum
 # Acceptance target: the simulated V100 step at 0.5x of the unplanned peak runs at >= 90% of
 # the speed of the same graph with unlimited memory.
@@ -104,7 +108,7 @@ def _stats_snapshot(trainer) -> dict[str, float]:
 
 
 def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int, plan_time: float | None = 0.0,
-                     runner_out: list | None = None):
+                     runner_out: list | None = None, passes=None):
     """The trainer's graph planned for ``profile`` under ``budget_bytes`` (what
     ``ort-offload transform --device-profile`` writes): the runtime's planning, timed on that
     profile instead of this CPU."""
@@ -113,7 +117,8 @@ def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int, plan_ti
     from ort_offload.runtime.runner import GraphRunner, Runtime
 
     device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile, plan_time=plan_time)
-    runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches, passes=trainer.runner.passes)
+    runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches,
+                         passes=trainer.runner.passes if passes is None else passes)
     feeds = {**{n: np.array(trainer.runtime.view(n)) for n in trainer.graph.state_inputs},
              **dict(zip(trainer.batch_names, (np.asarray(t) for t in batch)))}
     if runner_out is not None:
@@ -131,8 +136,10 @@ def _default_schedule(model) -> list[int]:
     return order_dependent_last(model) or list(range(len(model.graph.node)))
 
 
-def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, plan_time: float, bound) -> dict:
-    """One profile, one search: the plan, replayed, against unlimited memory and the bound."""
+def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, plan_time: float, bound: float,
+                   passes=None) -> dict:
+    """One profile, one search: the plan, replayed, against unlimited memory and the bound
+    (seconds)."""
     from graph_passes.cost.device_profiles import get_profile
     from graph_passes.cost.simulator import simulate_time, unlimited_time
 
@@ -140,7 +147,7 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
     model = trainer.runner.model
     runners: list = []
     prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes,
-                                                            plan_time=plan_time, runner_out=runners))
+                                                            plan_time=plan_time, runner_out=runners, passes=passes))
     unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
     planned = prepared.model if prepared.model is not None else model  # rewritten by split or recompute
     (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=planned,
@@ -150,8 +157,9 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
         "step_time_s": trace.step_time_s,
         "unlimited_s": unlimited,
         "pct_of_unlimited": 100.0 * unlimited / trace.step_time_s if trace.step_time_s > 0 else math.nan,
-        "lower_bound_s": bound.seconds,
-        "pct_of_bound": 100.0 * bound.seconds / trace.step_time_s if trace.step_time_s > 0 else math.nan,
+        "lower_bound_s": bound,
+        "pct_of_bound": 100.0 * bound / trace.step_time_s if trace.step_time_s > 0 else math.nan,
+        "passes": list(prepared.passes),
         "compute_time_s": trace.compute_time_s,
         "stall_time_s": trace.stall_time_s,
         "h2d_busy_s": trace.h2d_busy_s,
@@ -170,6 +178,18 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
     }
 
 
+def _recompute_row(row: dict, *, plan_time: float, bound: float) -> dict:
+    """The GA row with recompute allowed beside the trainer's own passes (split stays where
+    the minimum budget needs it); a budget they cannot plan is reported, not raised."""
+    from ort_offload.errors import BudgetTooSmallError
+
+    passes = tuple(dict.fromkeys((*row["trainer"].runner.passes, *RECOMPUTE_AND_SWAP)))
+    try:
+        return _simulated_row(**row, plan_time=plan_time, bound=bound, passes=passes)
+    except BudgetTooSmallError as e:
+        return {"status": "budget_too_small", "error": str(e), "passes": list(passes)}
+
+
 def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) -> dict[str, dict[str, Any]]:
     """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget by
     the grid and by the GA after it, replayed on it, vs the unplanned program's compute and
@@ -183,11 +203,13 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
     for name in PROFILES:
         bound, bound_s = bench.timed(lambda: step_time_bound(finest, unplanned.infos, model=runner.model,
                                                              profile=get_profile(name), budget=budget_bytes))
-        grid = _simulated_row(trainer, batch, unplanned, name=name, budget_bytes=budget_bytes, plan_time=0.0, bound=bound)
-        ga = _simulated_row(trainer, batch, unplanned, name=name, budget_bytes=budget_bytes, plan_time=plan_time,
-                            bound=bound)
-        out[name] = {**grid, "ga": ga, "bound": {**dataclasses.asdict(bound), "arithmetic": bound.describe(),
-                                                 "wall_s": bound_s}}
+        row = dict(trainer=trainer, batch=batch, unplanned=unplanned, name=name, budget_bytes=budget_bytes)
+        grid = _simulated_row(**row, plan_time=0.0, bound=bound.seconds)
+        ga = _simulated_row(**row, plan_time=plan_time, bound=bound.seconds)
+        # Recompute allowed too: the bound of swap plans does not hold, compute alone does.
+        ga_rc = _recompute_row(row, plan_time=plan_time, bound=bound.compute_s)
+        out[name] = {**grid, "ga": ga, "ga_recompute": ga_rc,
+                     "bound": {**dataclasses.asdict(bound), "arithmetic": bound.describe(), "wall_s": bound_s}}
     return out
 
 
@@ -508,7 +530,8 @@ def print_table(result: dict[str, Any], console) -> None:
                         "measured steps per row)")
     columns = ("model", "budget", "budget MiB", "peak MiB", "blocks", "plan s", "step ms", "unplanned ms", "ratio",
                "out MiB/step", "in MiB/step", "stall ms/step", "faults",
-               *(f"{p} {k}" for p in PROFILES for k in ("grid % unl.", "GA % unl.", "GA % bound", "GA plan s")),
+               *(f"{p} {k}" for p in PROFILES
+                 for k in ("grid % unl.", "GA % unl.", "GA % bound", "GA plan s", "GA+rc % unl.", "GA+rc plan s")),
                "bitwise")
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "budget") else "right")
@@ -516,11 +539,11 @@ def print_table(result: dict[str, Any], console) -> None:
         ref = model["reference"]
         table.add_row(f"{model['name']} {model['config']}", "none", "-", _mib(ref["peak_device_bytes"]),
                       str(ref["blocks"]), "-", f"{ref['median_step_s'] * 1e3:.1f}", "-", "1.00", "0", "0", "0", "0",
-                      *("-" for _ in PROFILES for _ in range(4)), "ref")
+                      *("-" for _ in PROFILES for _ in range(6)), "ref")
         for row in model["rows"]:
             if row["status"] != "ok":
                 table.add_row("", row["budget"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                              *("-" for _ in PROFILES for _ in range(4)), f"[red]{row['status']}[/]")
+                              *("-" for _ in PROFILES for _ in range(6)), f"[red]{row['status']}[/]")
                 continue
             peak = _mib(row["peak_device_bytes"])
             peak = peak if row["within_budget"] else f"[red]{peak}[/]"
@@ -533,6 +556,8 @@ def print_table(result: dict[str, Any], console) -> None:
                 sims.append(text)
                 ga = row["simulated"][p]["ga"]
                 sims += [f"{ga['pct_of_unlimited']:.1f}", f"{ga['pct_of_bound']:.1f}", f"{ga['plan_s']:.1f}"]
+                rc = row["simulated"][p]["ga_recompute"]
+                sims += [f"{rc['pct_of_unlimited']:.1f}", f"{rc['plan_s']:.1f}"] if "status" not in rc else ["-", "-"]
             bitwise = row["losses_bitwise_equal"] and row["state_bitwise_equal"]
             table.add_row(
                 "", row["budget"] + ("" if row["budget"] != MINIMUM else f" ({row['budget_over_baseline_peak']:.3f}x)"),

@@ -1,27 +1,43 @@
 """A lower bound on the step time of any swap plan of a training step at a budget: the
 physical limit that the searched plans are measured against.
 
-Two things no swap plan avoids:
+Notation: ``C`` is the compute of every node (the cost model's node times), ``B`` the budget,
+``r_in``/``r_out`` the link's one-way rates. For a set ``W`` of nodes closed under their inputs
+(what has run by some moment), ``in(W)`` is the bytes of the values made in ``W`` (or step
+inputs) that a node outside ``W`` reads, and ``out(W)`` the bytes of the values *made by nodes*
+in ``W`` that a node outside ``W`` reads or that outlive the step (updated state, fetches).
 
-- **Compute.** Every node runs once: the sum of the nodes' times on the cost model (plus one
-  block's launch cost).
-- **Link traffic.** At a node ``n``, whatever the schedule, the values made so far and read
-  later weigh at least the minimum cut between what must run before ``n`` (its ancestors and
-  itself, and the step's inputs) and what must run after it (its descendants, and the step's
-  outputs): a value costs its bytes when its producer is before the cut and a reader after it,
-  and the nodes before the cut are closed under their inputs (a max-flow, ``networkx``).
-  Computed at :data:`CUT_POINTS` nodes spread over the schedule. Where those bytes exceed the
-  budget, the excess is on the host at that moment. Each such byte a later node reads must come back
-  (host→device); each such byte that is not a clean input (an unchanged state input or the
-  batch) must have gone out (device→host) — updated state included, since in the steady
-  state it ends where it started. The most of either over all nodes, at the link's rates
-  (``graph_passes.cost.cost_model.transfer_time``'s one-way and duplex rates), is a time no plan
-  beats.
+Three bounds; the step is at least the largest (:class:`StepTimeBound`):
 
-The bound is ``max(compute, link)``: a plan reaching it hides every copy under compute.
-It holds for plans that swap (and choose schedules, blocks and host placement); a plan that
-recomputes trades link bytes for compute and is not bounded by it. Workspace is ignored
-(it only adds to what must fit), so the bound stays valid, if looser, where blocks have one.
+- **Compute**: ``C`` (plus one block's launch cost).
+- **Link, whole step** (``link_s``): at a node ``n``, whatever the schedule, the values live
+  across it weigh at least the minimum cut between what must run before ``n`` (its ancestors
+  and itself) and what must run after it (its descendants). Where that exceeds ``B``, the excess
+  is on the host then: it must come back (host→device), and what is not a clean input must have
+  gone out (device→host; updated state included, since in the steady state it ends where it
+  started). The most of either over the cut nodes, at the link's rates.
+- **Split at a node** (``split_s``). Take any plan, a node ``k`` and its block ``b``; let ``W``
+  be the blocks before ``b`` and ``b``'s nodes up to ``k`` (a prefix of the plan's order, so
+  closed, holding ``k``'s ancestors and none of its descendants). Every value ``out(W)`` or
+  ``in(W)`` counts is, while ``b`` runs, on the host, in the arena, or among ``b``'s values born
+  and dead inside it (its workspace, the peak of those in its order), and the device holds at
+  most ``B`` of them. When ``b`` starts, only the blocks before it have run (compute at most
+  ``C(W)``), and what is on the host of ``out(W)`` was copied there: at least ``out(W) - B``
+  bytes, so ``T >= C + (out(W) - B)/r_out - C(W)`` (the forward's evictions that its compute
+  cannot hide). When ``b`` ends, at least ``C(W)`` has run, and at least ``in(W) - B`` bytes are
+  still to come in: ``T >= C(W) + (in(W) - B)/r_in``. The plan is unknown, so each is minimised
+  over closed sets between ``k``'s ancestors and its descendants: a minimum cut where values
+  cost their bytes over the rate and nodes their compute on the side the bound counts it. At
+  the :data:`CUT_POINTS` nodes whose ancestor sets score highest.
+
+The link bound's cut nodes are those whose ancestors (with themselves) score highest by the
+same weights (a cut is at most that set's weight), :data:`CUT_POINTS` per direction.
+
+The bounds hold for plans that swap (and choose schedules, blocks and host placement), whose
+compute is the graph's own. A plan that recomputes trades link bytes for compute and is not
+bounded by them. Workspace is ignored (it only adds to what must fit), so they stay valid, if
+looser, where blocks have one. Bytes are unaligned (the arena's alignment only adds) and cut
+capacities in the split bound are picoseconds rounded down, so rounding only loosens. Minimum cuts: ``networkx`` max-flow.
 """
 
 from __future__ import annotations
@@ -40,27 +56,31 @@ from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
 from graph_passes.ir.program import Commit, Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
 
-CUT_POINTS = 8  # nodes the cut is computed at (each costs two max-flows)
+CUT_POINTS = 3  # nodes per bound the cuts are computed at (the best-scoring ones; a max-flow each)
+_PS = 1e12  # the split bound's capacities: picoseconds, rounded down
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeBound:
     """The bound and its arithmetic."""
 
-    seconds: float  # max(compute_s, link_s)
+    seconds: float  # max(compute_s, link_s, split_s)
     compute_s: float
     link_s: float
     budget_bytes: int
     necessary_live_bytes: int  # most bytes live at a cut node and read later, in every schedule
     h2d_bytes: int  # at least this many bytes come back in
     d2h_bytes: int  # at least this many bytes go out
+    split_s: float = 0.0  # the split bound (module docstring)
+    split: str = ""  # its arithmetic
 
     def describe(self) -> str:
         """One line of the arithmetic (for reports and the benchmark's README)."""
-        return (f"max(compute {self.compute_s * 1e3:.3f} ms, link {self.link_s * 1e3:.3f} ms: "
+        text = (f"max(compute {self.compute_s * 1e3:.3f} ms, link {self.link_s * 1e3:.3f} ms: "
                 f"{self.h2d_bytes / 2**20:.1f} MiB in, {self.d2h_bytes / 2**20:.1f} MiB out; "
                 f"{self.necessary_live_bytes / 2**20:.1f} MiB necessarily live vs a "
-                f"{self.budget_bytes / 2**20:.1f} MiB budget)")
+                f"{self.budget_bytes / 2**20:.1f} MiB budget")
+        return text + (f"; split {self.split_s * 1e3:.3f} ms: {self.split})" if self.split else ")")
 
 
 def link_time(h2d_bytes: float, d2h_bytes: float, profile: DeviceProfile) -> float:
@@ -69,6 +89,45 @@ def link_time(h2d_bytes: float, d2h_bytes: float, profile: DeviceProfile) -> flo
     both = min(profile.h2d_bandwidth, profile.duplex_bandwidth / 2) + min(profile.d2h_bandwidth, profile.duplex_bandwidth / 2)
     combined = max(both, profile.h2d_bandwidth, profile.d2h_bandwidth)
     return max(h2d_bytes / profile.h2d_bandwidth, d2h_bytes / profile.d2h_bandwidth, (h2d_bytes + d2h_bytes) / combined)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Graph:
+    """The finest program as a dependence graph, with per-node compute and value weights."""
+
+    program: Program
+    order: list[int]
+    producer: dict[str, int]
+    readers: dict[str, list[int]]
+    ancestors: np.ndarray  # [i, j]: block j must run before block i
+    sizes: dict[str, int]  # bytes of every value
+    inputs: frozenset[str]
+    clean: frozenset[str]  # inputs no commit replaces (the batch, unchanged state)
+    to_end: frozenset[str]  # values that outlive the step (fetches, updated state)
+    times: np.ndarray  # compute seconds per block
+
+
+def _graph(program: Program, infos, times: np.ndarray) -> _Graph:
+    blocks = program.blocks
+    n = len(blocks)
+    order = [step.block for step in program.steps if isinstance(step, RunBlock)]
+    producer = {name: b.index for b in blocks for name in b.outputs}
+    readers: dict[str, list[int]] = {}
+    ancestors = np.zeros((n, n), dtype=bool)
+    for i in order:
+        for name in blocks[i].inputs:
+            readers.setdefault(name, []).append(i)
+            p = producer.get(name)
+            if p is not None:
+                ancestors[i] |= ancestors[p]
+                ancestors[i, p] = True
+    updated = {new for step in program.steps if isinstance(step, Commit) for new, _ in step.renames}
+    renamed = {old for step in program.steps if isinstance(step, Commit) for _, old in step.renames}
+    inputs = frozenset(program.state_inputs) | frozenset(program.host_state) | frozenset(program.data_inputs)
+    sizes = {name: infos[name].nbytes for name in set(producer) | inputs}
+    return _Graph(program, order, producer, readers, ancestors, sizes, inputs,
+                  frozenset(n for n in inputs if n not in renamed), frozenset(program.fetches) | frozenset(updated),
+                  times)
 
 
 def step_time_bound(
@@ -87,71 +146,121 @@ def step_time_bound(
     if any(len(b.node_indices) != 1 for b in finest.blocks):
         raise ValueError("step_time_bound needs the step lowered with one node per block (max_block_nodes=1)")
     cost_model = cost_model or AnalyticalCostModel(profile)
-    compute = math.fsum(cost_model.block_time(model, b, infos) for b in finest.blocks) + profile.block_overhead_s
-    h2d, d2h, live = _cut_bytes(finest, infos, alignment, budget, cut_points)
+    times = np.array([cost_model.block_time(model, b, infos) for b in finest.blocks], dtype=float)
+    compute = math.fsum(times) + profile.block_overhead_s
+    graph = _graph(finest, infos, times)
+    proxies = _Proxies(graph)
+    h2d, d2h, live = _link_bytes(graph, proxies, budget, cut_points)
     link = link_time(h2d, d2h, profile)
-    return StepTimeBound(max(compute, link), compute, link, budget, live, h2d, d2h)
+    split, how = _split_bound(graph, proxies, profile, budget, cut_points)
+    return StepTimeBound(max(compute, link, split), compute, link, budget, live, h2d, d2h, split, how)
 
 
-def _cut_bytes(program: Program, infos, alignment: int, budget: int, points: int) -> tuple[int, int, int]:
-    """(bytes that must come in, bytes that must go out, most bytes live) over the cut nodes."""
-    blocks = program.blocks
-    n = len(blocks)
-    order = [step.block for step in program.steps if isinstance(step, RunBlock)]
-    producer = {name: b.index for b in blocks for name in b.outputs}
-    ancestors = np.zeros((n, n), dtype=bool)  # ancestors[i, j]: block j must run before block i
-    for i in order:
-        for name in blocks[i].inputs:
-            p = producer.get(name)
+class _Proxies:
+    """Per node ``k``, the weights of the closed set of ``k`` and its ancestors (``W0(k)``):
+    which nodes' cuts are worth computing (a minimum cut is at most its ``W0`` value)."""
+
+    def __init__(self, g: _Graph) -> None:
+        n = len(g.program.blocks)
+        inside = g.ancestors | np.eye(n, dtype=bool)  # [k, j]: j in W0(k)
+        names = sorted(g.sizes)
+        made = np.ones((len(names), n), dtype=bool)
+        crossing = np.zeros((len(names), n), dtype=bool)
+        for row, name in enumerate(names):
+            p = g.producer.get(name)
             if p is not None:
-                ancestors[i] |= ancestors[p]
-                ancestors[i, p] = True
-    updated = {new for step in program.steps if isinstance(step, Commit) for new, _ in step.renames}
-    renamed = {old for step in program.steps if isinstance(step, Commit) for _, old in step.renames}
-    inputs = set(program.state_inputs) | set(program.host_state) | set(program.data_inputs)
-    clean = {name for name in inputs if name not in renamed}
-    to_end = set(program.fetches) | updated
-    sizes = {name: align_up(infos[name].nbytes, alignment) // alignment for name in set(producer) | inputs}
+                made[row] = inside[:, p]
+            readers = g.readers.get(name, [])
+            crossing[row] = ~inside[:, readers].all(axis=1) if readers else False
+        lasting = np.array([name in g.to_end for name in names])[:, None]
+        size = np.array([g.sizes[name] for name in names], dtype=float)
+        dirty = np.array([name not in g.clean for name in names], dtype=float)
+        self.into = size @ (made & crossing)  # in(W0(k))
+        made_here = np.array([name not in g.inputs for name in names], dtype=float)
+        self.steady_out = (size * dirty) @ (made & (crossing | lasting))  # what the link bound's out cut weighs
+        self.out = (size * made_here) @ (made & (crossing | lasting))  # out(W0(k))
+        self.compute = inside.astype(float) @ g.times  # C(W0(k))
+
+    @staticmethod
+    def top(scores: np.ndarray, count: int) -> list[int]:
+        """The ``count`` nodes with the highest scores (ties to the lower index)."""
+        return [int(k) for k in np.argsort(-scores, kind="stable")[:count]]
+
+
+def _link_bytes(g: _Graph, proxies: _Proxies, budget: int, points: int) -> tuple[int, int, int]:
+    """(bytes that must come in, bytes that must go out, most bytes live) over the cut nodes
+    (the whole-step link bound)."""
     h2d = d2h = live = 0
-    for k in sorted({order[round(j * (n - 1) / max(1, points - 1))] for j in range(points)} if n else ()):
-        before = set(np.flatnonzero(ancestors[k])) | {k}
-        after = set(np.flatnonzero(ancestors[:, k]))
-        into = _min_cut(blocks, producer, sizes, inputs, to_end=set(), free=set(), before=before, after=after)
-        out = _min_cut(blocks, producer, sizes, inputs, to_end=to_end, free=clean, before=before, after=after)
-        h2d = max(h2d, into * alignment - budget)
-        d2h = max(d2h, out * alignment - budget)
-        live = max(live, into * alignment)
+    units = {name: size for name, size in g.sizes.items()}
+    dirty = {name: size for name, size in units.items() if name not in g.clean}
+    chosen = set(_Proxies.top(proxies.into, points)) | set(_Proxies.top(proxies.steady_out, points))
+    for k in sorted(chosen):
+        before = set(np.flatnonzero(g.ancestors[k])) | {k}
+        after = set(np.flatnonzero(g.ancestors[:, k]))
+        into = _min_cut(g, units, to_end=(), before=before, after=after)
+        out = _min_cut(g, dirty, to_end=g.to_end, before=before, after=after)
+        h2d, d2h, live = max(h2d, into - budget), max(d2h, out - budget), max(live, into)
     return max(0, h2d), max(0, d2h), live
 
 
-def _min_cut(blocks, producer, sizes, inputs, *, to_end, free, before, after) -> int:
-    """Least weight (alignment units) of the values made before and read after a cut that
-    puts ``before`` first and ``after`` last (module docstring); ``free`` values weigh
-    nothing, ``to_end`` values are read after everything."""
-    g = nx.DiGraph()
+def _split_bound(g: _Graph, proxies: _Proxies, profile: DeviceProfile, budget: int, points: int) -> tuple[float, str]:
+    """The split bound (module docstring) at the best-scoring nodes, and its arithmetic."""
+    r_in, r_out, total = profile.h2d_bandwidth, profile.d2h_bandwidth, float(np.sum(g.times))
+    made = {name: size for name, size in g.sizes.items() if name not in g.inputs}
+    node_cost = [int(t * _PS) for t in g.times]
+    best, how = 0.0, ""
+    kinds = (  # label, score of W0(k), values weighed, rate, to_end, node costs
+        ("evictions before", proxies.out / r_out - proxies.compute, made, r_out, g.to_end, dict(cost_out=node_cost)),
+        ("returns after", proxies.into / r_in + proxies.compute, g.sizes, r_in, (), dict(cost_in=node_cost)),
+    )
+    for label, scores, values, rate, to_end, costs in kinds:
+        weights = {name: int(size / rate * _PS) for name, size in values.items()}
+        for k in _Proxies.top(scores, points):
+            before = set(np.flatnonzero(g.ancestors[k])) | {k}
+            after = set(np.flatnonzero(g.ancestors[:, k]))
+            cut = _min_cut(g, weights, to_end=to_end, before=before, after=after, **costs) / _PS
+            if "cost_in" in costs:  # T >= C(W) + (in(W) - B) / r_in; the forced nodes' compute is not in the cut
+                seconds = cut + float(np.sum(g.times[sorted(before)])) - budget / r_in
+            else:  # T >= C(rest) + (out(W) - B) / r_out; the descendants' compute is not in the cut
+                seconds = cut + float(np.sum(g.times[sorted(after)])) - budget / r_out
+            if seconds > best:
+                best, how = seconds, f"{label} node {k}"
+    return best, how
+
+
+def _min_cut(g: _Graph, weights: Mapping[str, int], *, to_end, before, after, cost_in=None, cost_out=None) -> int:
+    """Least total weight of a set ``W`` of nodes closed under inputs, holding ``before`` and
+    none of ``after``: a value in ``weights`` costs its weight when made in ``W`` (or a step
+    input) and read outside it (or in ``to_end``); node ``i`` costs ``cost_in[i]`` in ``W``,
+    ``cost_out[i]`` outside it."""
+    net = nx.DiGraph()
     source, sink = ("source",), ("sink",)
+    blocks = g.program.blocks
     for b in blocks:
         for name in b.inputs:
-            if name in sizes and name not in free:
-                g.add_edge(("v", name), ("n", b.index))  # no capacity: infinite
-            p = producer.get(name)
+            if weights.get(name):
+                net.add_edge(("v", name), ("n", b.index))  # no capacity: infinite
+            p = g.producer.get(name)
             if p is not None:
-                g.add_edge(("n", b.index), ("n", p))  # a node before the cut has its inputs' makers before it
-    for name, units in sizes.items():
-        if name in free:
-            continue
-        g.add_edge(source if name in inputs else ("n", producer[name]), ("v", name), capacity=units)
-        if name in to_end:
-            g.add_edge(("v", name), sink)
+                net.add_edge(("n", b.index), ("n", p))  # W holds its nodes' inputs' makers
+    for name, weight in weights.items():
+        if weight:
+            net.add_edge(source if name in g.inputs else ("n", g.producer[name]), ("v", name), capacity=weight)
+            if name in to_end:
+                net.add_edge(("v", name), sink)
     for i in before:
-        g.add_edge(source, ("n", i))
+        net.add_edge(source, ("n", i))
     for i in after:
-        g.add_edge(("n", i), sink)
-    if sink not in g or source not in g:
+        net.add_edge(("n", i), sink)
+    for costs, edge in ((cost_in, lambda i: (("n", i), sink)), (cost_out, lambda i: (source, ("n", i)))):
+        for i, cost in enumerate(costs or ()):
+            if cost > 0 and i not in before and i not in after:  # forced nodes' costs are fixed
+                net.add_edge(*edge(i), capacity=cost)
+    if sink not in net or source not in net:
         return 0
     from networkx.algorithms.flow import boykov_kolmogorov
 
-    return int(nx.maximum_flow_value(g, source, sink, flow_func=boykov_kolmogorov))
+    return int(nx.maximum_flow_value(net, source, sink, flow_func=boykov_kolmogorov))
 
 
 __all__ = ["StepTimeBound", "link_time", "step_time_bound"]

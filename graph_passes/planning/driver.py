@@ -274,10 +274,22 @@ class StepPlanner:
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
                         split_nodes=split_node_count(model), split_plan=result)
 
-    def plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto) -> SwapsFound:
+    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome:
+        """A strategy's chosen candidate (simulated at ``seconds``): its swap plan searched further
+        (:func:`refine_swap_plan`) where copies overlap compute and ``search`` is set. Strategies
+        plan their candidates unrefined and refine only the winner, so the time limit holds once."""
+        self.last_plan_search = PlanSearch(GRID, seconds, seconds, 0.0)
+        if not search or not self.target.profile().copies_overlap_compute or self.target.blocks_fixed:
+            return outcome
+        choice, _, self.last_plan_search = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos,
+                                                            budget, outcome.model)
+        return dataclasses.replace(outcome, choice=choice)
+
+    def plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto, *, refine: bool = True) -> SwapsFound:
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the planning profile), the least budget any of them needs, and the plan's simulated step
-        time. Where copies overlap compute, the same
+        time (``refine``: then searched further, :func:`refine_swap_plan`, where copies overlap
+        compute). Where copies overlap compute, the same
         graph is also planned with its state updates as soon as their gradients exist
         (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
@@ -285,7 +297,7 @@ class StepPlanner:
             best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
         if best is None:
             return SwapsFound(None, needed)
-        if self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
+        if refine and self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
             # Schedule, cuts, host state and keep/swap per tensor, searched from the grid's best.
             choice, seconds, self.last_plan_search = refine_swap_plan(self.layouts, *best, infos, budget, model)
             return SwapsFound(choice, needed, seconds)

@@ -67,7 +67,9 @@ class Planner(Protocol):
     recompute: RecomputePlanning
 
     def plan_swaps(self, programs: list[Program], infos: Mapping[str, TensorInfo], budget: int,
-                   model: onnx.ModelProto) -> SwapsFound: ...
+                   model: onnx.ModelProto, *, refine: bool = True) -> SwapsFound: ...
+
+    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +150,8 @@ def _swap(planner: Planner, request: Request) -> Proposal:
 def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
     """Recompute alone (or as far as it goes, then swap), swap alone, and the segments cheaper
     to recompute than to copy (:mod:`graph_passes.planning.offload_choice`) recomputed with the
-    rest swapped: the fastest in simulation on the planning profile wins."""
+    rest swapped: the fastest in simulation on the planning profile wins, and only its swap plan
+    is searched further (the genetic search's time limit holds once)."""
     infos, budget = request.infos, request.budget
     layouts, target, profile = planner.layouts, planner.target, planner.target.profile()
     candidates: list[tuple[str, float, RewriteOutcome]] = []
@@ -156,7 +159,7 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
 
     def with_swaps(label: str, outcome: RewriteOutcome, programs) -> None:
         nonlocal least
-        found = planner.plan_swaps(list(programs), outcome.infos, budget, outcome.model)
+        found = planner.plan_swaps(list(programs), outcome.infos, budget, outcome.model, refine=False)
         least = min(least, found.needed_bytes)
         if found.choice is not None:
             passes = ("recompute", "swap") if outcome.added_nodes else ("swap",)
@@ -184,9 +187,10 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
     weighed = tuple((label, seconds) for label, seconds, _ in candidates)
     if not candidates:
         return Proposal(RewriteOutcome(model, infos, None, 0, least), weighed, tuple(costs))
-    label, _, best = min(candidates, key=lambda c: c[1])
+    label, seconds, best = min(candidates, key=lambda c: c[1])
     if label != "recompute":
         planner.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
+    best = planner.refine(best, seconds, budget, search=label != "recompute")  # only the winner
     logger.info("recompute or swap for %s on %s: %s (%s)", target.graph.name, profile.name, label,
                 ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in weighed))
     return Proposal(dataclasses.replace(best, needed_bytes=least), weighed, tuple(costs))

@@ -105,6 +105,16 @@ def test_step_times_ratios_and_simulated_percentages(quick_run):
             assert 0 < sim["pct_of_unlimited"] <= 100.5, (row["model"], row["budget"], profile)
             assert sim["pct_of_unlimited"] == pytest.approx(100 * sim["unlimited_s"] / sim["step_time_s"])
             assert sim["peak_bytes"] <= row["budget_bytes"]
+            # The GA (swap only) is never slower than the grid, and no swap plan beats the bound;
+            # with recompute allowed, its bound is the compute.
+            ga, rc, bound = sim["ga"], sim["ga_recompute"], sim["bound"]
+            assert ga["step_time_s"] <= sim["step_time_s"] * (1 + 1e-9)
+            assert bound["seconds"] <= min(sim["step_time_s"], ga["step_time_s"]) * (1 + 1e-9)
+            if rc.get("status") == "budget_too_small":  # recompute and swap cannot plan this budget
+                continue
+            assert rc["lower_bound_s"] == bound["compute_s"] <= rc["step_time_s"] * (1 + 1e-9)
+            if rc["plan_search"] is not None:  # None where the budget needs no pass
+                assert rc["plan_search"]["step_time_s"] <= rc["plan_search"]["grid_step_time_s"] * (1 + 1e-9)
     assert {t["model"] for t in result["targets"]} == {m for m, _ in MODELS}
     for target in result["targets"]:
         assert target["met"] == (target["value_pct"] >= target["target_pct"])

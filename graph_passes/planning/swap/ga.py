@@ -17,7 +17,10 @@ No memory-layout gene: SwapAdvisor's size classes (CLS/CNT) describe its pool al
 arena is best-fit with compaction, whose need is the live bytes
 (:func:`graph_passes.ir.memory.simulate_program`), so a layout gene would not change any plan's
 feasibility or time. No recompute gene: a recomputation rewrites the graph (new nodes, new
-shapes) and is planned by the recompute planners, not here.
+shapes), so a schedule of one rewrite means nothing in another; the step planner chooses among
+its recompute-and-swap candidates first and hands the GA the winner's graph
+(:meth:`graph_passes.planning.driver.StepPlanner.refine`). The first generation also tries the
+batch-independent small nodes moved (:meth:`_Operators.independent_spread`).
 
 A genome is decoded as the grid search decodes its candidates (:mod:`graph_passes.planning.swap.search`):
 lowered, Belady-planned, swap-outs issued early, swap-ins hoisted, replayed through the arena
@@ -163,6 +166,31 @@ class _Operators:
         values = {n for b in seed_plan.blocks for n in b.outputs} | set(seed_plan.state_inputs)
         ranked = sorted(values, key=lambda n: (n not in swapped, -sizes.get(n, 0), n))
         self.gene_tensors = tuple(ranked[: config.gene_tensors])
+        self.independent = _batch_independent(io, seed_plan.data_inputs, sizes, producer)
+        self.fetch_producers = frozenset(producer[n] for n in seed_plan.fetches if n in producer)
+
+    def independent_spread(self, g: Genome, span: str) -> Genome:
+        """The genome with the nodes that do not depend on the batch and make only small values
+        (optimizer scalars: step counts, bias corrections) moved: ``span`` "first" runs them
+        before everything, "forward" spreads them evenly over the forward (up to the first
+        fetch), "step" over the whole step. Compute that can fill the time the forward waits for
+        its copies out of the device. Each still runs before its first reader."""
+        prefix = g.schedule[: self.movable]
+        moved = [n for n in prefix if n in self.independent]
+        rest = [n for n in prefix if n not in self.independent]
+        rank = {n: k for k, n in enumerate(moved)}
+        end = 0 if span == "first" else next(
+            (k for k, n in enumerate(rest) if n in self.fetch_producers), len(rest)) if span == "forward" else len(rest)
+        out, placed = [], 0
+        for j, node in enumerate(rest):
+            quota = len(moved) if j >= end else (len(moved) * j) // max(1, end)
+            quota = max(quota, 1 + max((rank[p] for p in self.preds[node] if p in rank), default=-1))
+            out.extend(moved[placed:quota])
+            placed = max(placed, quota)
+            out.append(node)
+        out.extend(moved[placed:])
+        schedule = tuple(out) + g.schedule[self.movable:]
+        return dataclasses.replace(g, schedule=schedule, cuts=_cuts_by_node(g, schedule, self.independent))
 
     def crossover(self, a: Genome, b: Genome) -> Genome:
         rng = self.rng
@@ -247,6 +275,33 @@ class _Operators:
         return frozenset(c for c in cuts if 0 < c < n)
 
 
+def _cuts_by_node(g: Genome, schedule: tuple[int, ...], alone: frozenset[int]) -> frozenset[int]:
+    """``g``'s block starts (at the same nodes) in ``schedule``, and the runs of ``alone``
+    nodes in blocks of their own (so they never wait with a block that waits for memory)."""
+    position = {n: k for k, n in enumerate(schedule)}
+    cuts = {position[g.schedule[c]] for c in g.cuts}
+    cuts.update(k for k in range(1, len(schedule)) if (schedule[k] in alone) != (schedule[k - 1] in alone))
+    return frozenset(cuts)
+
+
+SMALL_VALUE_BYTES = 4096  # what independent_first moves: nodes whose every output is at most this
+
+
+def _batch_independent(io, data_inputs, sizes: Mapping[str, int], producer: Mapping[str, int]) -> frozenset[int]:
+    """Nodes that read no value derived from the batch, make only values of at most
+    :data:`SMALL_VALUE_BYTES`, and whose producers of what they read are such nodes too."""
+    derived = set(data_inputs)
+    chosen: set[int] = set()
+    for i, entry in enumerate(io):  # the graph's node order is topological
+        if any(name in derived for name in entry.reads):
+            derived.update(entry.outputs)
+            continue
+        small = all(sizes.get(name, 0) <= SMALL_VALUE_BYTES for name in entry.outputs)
+        if small and all(producer[name] in chosen for name in entry.reads if name in producer):
+            chosen.add(i)
+    return frozenset(chosen)
+
+
 def _victims(classes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((t, c) for t, c in classes.items() if c != DEFAULT))
 
@@ -287,6 +342,7 @@ class GeneticSwapSearch:
                 if child in scored:
                     continue
                 scored[child] = decode(child, space, self.planner)
+                logger.debug("GA evaluation %d: %.4g s", evaluations, _time(scored[child]))
                 evaluations += 1
                 feasible += scored[child] is not None
             population = self._select({g for g in (*population, *children) if g in scored}, scored)
@@ -310,7 +366,11 @@ class GeneticSwapSearch:
         winners, each mutated."""
         rng, cfg = ops.rng, self.config
         if fill:
-            return [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
+            children = [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
+            if len(population) == 1:  # the first generation also tries moving the batch-independent nodes
+                spans = ("forward", "first", "step")[: len(children)]
+                children[: len(spans)] = [ops.independent_spread(population[0], span) for span in spans]
+            return children
         children = []
         for _ in range(cfg.children):
             a, b = self._tournament(population, scored, rng), self._tournament(population, scored, rng)

@@ -5,6 +5,7 @@ unplanned run on the CPU device."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -121,7 +122,39 @@ def test_the_bound_is_below_every_plan_and_counts_the_link():
     assert step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=10**12).link_s == 0
 
 
-def _train(name, budget, *, plan_time, seed=0, steps=3):
+@pytest.mark.parametrize("where", [0.0, 0.15, 0.4, 0.8])
+def test_the_bound_is_below_every_grid_and_ga_plan(where):
+    """Property: at several budgets, no plan the grid considered or the GA decoded beats the
+    bound (every block size, state placement, schedule, cut and keep/swap choice tried), and
+    the bound is at least the compute."""
+    graph, infos, finest, seed, space = _chain_space(where=where)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=space.budget)
+    assert bound.seconds >= bound.compute_s and bound.seconds >= bound.split_s and bound.seconds >= bound.link_s
+    times = []
+
+    def evaluate(program):
+        times.append(space.evaluate(program))
+        return times[-1]
+
+    probe = dataclasses.replace(space, evaluate=evaluate)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=3)).search(seed, probe)
+    assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
+    assert seed.step_time_s >= bound.seconds * (1 - 1e-9)
+
+
+def test_the_split_bound_sees_evictions_the_compute_cannot_hide():
+    """A chain whose early values must leave while little compute runs: the split bound is
+    above the compute and the whole-step link bound, and still below the plans."""
+    graph, infos, finest, seed, space = _chain_space(width=256, where=0.0)
+    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    assert bound.split_s > max(bound.compute_s, bound.link_s) and bound.split
+    program = seed.program
+    assert simulate_time(program, infos, model=graph.model, profile=slow_link,
+                         budget=space.budget).step_time_s >= bound.seconds
+
+
+def _train(name, budget, *, plan_time, seed=0, steps=3, passes="auto"):
     spec = get_model(name, "tiny")
     data = batches(name, steps)
     device = ort_offload.set_offload_device("cpu", budget=budget, planning_profile="V100-16GB-PCIe3",
@@ -129,7 +162,7 @@ def _train(name, budget, *, plan_time, seed=0, steps=3):
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
-        optimizer="adamw", name=name)
+        optimizer="adamw", name=name, passes=passes)
     losses = [trainer.step(*inputs, *targets) for inputs, targets in data]
     return trainer, losses, trainer.flat_state()
 
@@ -143,6 +176,25 @@ def test_ga_plans_run_bitwise_equal_and_within_budget_on_the_cpu(name):
     assert search.step_time_s <= search.grid_step_time_s
     assert losses == ref_losses
     assert all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
+    report = trainer.report()
+    assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_ga_refines_a_recompute_and_swap_plan_bitwise_equal_and_within_budget(monkeypatch):
+    """With recompute and swap both allowed, on a profile whose link is slow enough that
+    recomputing wins, the chosen recompute-and-swap candidate is the one the GA refines; its
+    plan runs bitwise equal and within budget."""
+    from graph_passes.cost import device_profiles
+
+    slow = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=2e8, d2h_bandwidth=2e8, duplex_bandwidth=3e8)
+    monkeypatch.setitem(device_profiles.SHIPPED_PROFILES, V100_16GB_PCIE3.name, slow)
+    _, ref_losses, ref_state = _train("gpt", None, plan_time=0)
+    trainer, losses, state = _train("gpt", "0.25x", plan_time=3.0, passes=("recompute", "swap"))
+    search = trainer.runner.last_plan_search
+    assert "recompute" in trainer.report()["passes"] and "swap" in trainer.report()["passes"]
+    assert search.method == "ga" and search.step_time_s <= search.grid_step_time_s and search.time_s < 3.0 + 2.0
+    assert losses == ref_losses and all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
     report = trainer.report()
     assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
 
