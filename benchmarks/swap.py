@@ -60,7 +60,7 @@ import numpy as np
 from benchmarks import common as bench
 
 RESULT_FILE = "swap.json"
-TABLE_WIDTH = 180
+TABLE_WIDTH = 400  # 32 columns (three profiles x grid, GA, GA with recompute): headers unwrapped
 PROFILES = ("V100-16GB-PCIe3", "H100")
 FRACTIONS = ("1.0x", "0.5x", "0.25x")
 MINIMUM = "min"
