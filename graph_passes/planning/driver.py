@@ -35,6 +35,8 @@ from graph_passes.planning.schedule import training_spine, updates_early
 from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
+from graph_passes.planning.recompute.tensors import TensorRecompute
+from graph_passes.planning.swap.ga import Variant
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
 from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
 
@@ -259,10 +261,14 @@ class StepPlanner:
                         result.node, result.needed_bytes, result.reason)
             return result
         model, split_infos, _ = planner.rewritten(target.model, infos, result.split)
+        split_nodes = split_node_count(model)
         programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
-        choice = None
+        choice, recomputed = None, 0
         if "swap" in target.passes:
-            choice = self.plan_swaps(programs, split_infos, budget, model).choice
+            found = self.plan_swaps(programs, split_infos, budget, model)
+            choice = found.choice
+            if found.variant is not None:  # the GA recomputed tensors of the split graph
+                model, split_infos, recomputed = found.variant.model, found.variant.infos, found.variant.added_nodes
         else:
             traced = ((program, self.layouts.trace(program, split_infos)) for program in programs)
             choice = next((ProgramChoice(p, t) for p, t in traced if t.min_budget_bytes <= budget), None)
@@ -270,9 +276,9 @@ class StepPlanner:
             return Bottleneck("", "", budget + 1, "the split graph has no program within the budget"
                               + ("" if "swap" in target.passes else " without swapping"))
         logger.info("split plan for %s: %d ops split, %d nodes added", target.graph.name, len(result.choices),
-                    split_node_count(model))
-        return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
-                        split_nodes=split_node_count(model), split_plan=result)
+                    split_nodes)
+        return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model, recomputed_nodes=recomputed,
+                        split_nodes=split_nodes, split_plan=result)
 
     def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome:
         """A strategy's chosen candidate (simulated at ``seconds``): its swap plan searched further
@@ -281,9 +287,37 @@ class StepPlanner:
         self.last_plan_search = PlanSearch(GRID, seconds, seconds, 0.0)
         if not search or not self.target.profile().copies_overlap_compute or self.target.blocks_fixed:
             return outcome
-        choice, _, self.last_plan_search = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos,
-                                                            budget, outcome.model)
-        return dataclasses.replace(outcome, choice=choice)
+        refined = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos, budget, outcome.model,
+                                   **self._recompute_genes(outcome.model, outcome.infos, budget))
+        self.last_plan_search = refined.search
+        if refined.variant is None:
+            return dataclasses.replace(outcome, choice=refined.choice)
+        variant = refined.variant
+        return dataclasses.replace(outcome, model=variant.model, infos=variant.infos,
+                                   choice=refined.choice.with_passes(_with_recompute(refined.choice.passes)),
+                                   added_nodes=outcome.added_nodes + variant.added_nodes)
+
+    def _recompute_genes(self, model: onnx.ModelProto, infos, budget: int) -> dict:
+        """The GA's per-tensor recompute genes on ``model`` (:mod:`graph_passes.planning.recompute.tensors`)
+        as :func:`refine_swap_plan` takes them; none where recompute is not allowed."""
+        if not self._recompute_allowed:
+            return {}
+        try:
+            tensors = TensorRecompute(model, infos, loss_name=self.target.graph.loss_name)
+        except ValueError:  # no node makes the loss in this graph
+            return {}
+        if not tensors.candidates:
+            return {}
+        profile, layouts = self.target.profile(), self.layouts
+
+        def variant(chosen: frozenset[str]) -> Variant:
+            rewrite = tensors.rewrite(chosen)
+            return Variant(rewrite.model, rewrite.infos, rewrite.clones,
+                           lower=lambda schedule, cuts: layouts.lower_with_cuts(
+                               rewrite.model, rewrite.infos, *rewrite.schedule(schedule, cuts)),
+                           evaluate=lambda p: layouts.simulated_time(p, rewrite.infos, rewrite.model, budget))
+
+        return dict(recompute=variant, recompute_ratio=tensors.price(AnalyticalCostModel(profile), profile))
 
     def plan_swaps(self, programs, infos, budget: int, model: onnx.ModelProto, *, refine: bool = True) -> SwapsFound:
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
@@ -298,9 +332,14 @@ class StepPlanner:
         if best is None:
             return SwapsFound(None, needed)
         if refine and self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
-            # Schedule, cuts, host state and keep/swap per tensor, searched from the grid's best.
-            choice, seconds, self.last_plan_search = refine_swap_plan(self.layouts, *best, infos, budget, model)
-            return SwapsFound(choice, needed, seconds)
+            # Schedule, cuts, host state and keep/swap(/recompute) per tensor, searched from the grid's best.
+            refined = refine_swap_plan(self.layouts, *best, infos, budget, model,
+                                       **self._recompute_genes(model, infos, budget))
+            self.last_plan_search = refined.search
+            if refined.variant is None:
+                return SwapsFound(refined.choice, needed, refined.seconds)
+            choice = refined.choice.with_passes(_with_recompute(refined.choice.passes))
+            return SwapsFound(choice, needed, refined.seconds, refined.variant)
         self.last_plan_search = PlanSearch(GRID, best[1], best[1], 0.0)
         return SwapsFound(best[0], needed, best[1])
 
@@ -363,6 +402,10 @@ class StepPlanner:
         )
         choice = ProgramChoice(best.program, best.trace, ("swap",), best.base_program, best.plan)
         return (choice, best.step_time_s), needed
+
+
+def _with_recompute(passes: tuple[str, ...]) -> tuple[str, ...]:
+    return passes if "recompute" in passes else ("recompute", *passes)
 
 
 def _step_plan(outcome: RewriteOutcome) -> StepPlan:

@@ -57,6 +57,7 @@ class SwapsFound:
     choice: ProgramChoice | None
     needed_bytes: int
     seconds: float | None = None
+    variant: object = None  # graph_passes.planning.swap.ga.Variant: the graph the GA's recomputes rewrote
 
 
 class Planner(Protocol):
@@ -142,9 +143,11 @@ def _recompute(planner: Planner, request: Request) -> Proposal:
 
 def _swap(planner: Planner, request: Request) -> Proposal:
     """The fastest swap plan over the graph's lowerings (:mod:`graph_passes.planning.swap`)."""
-    model = planner.target.model
+    model, infos, added = planner.target.model, request.infos, 0
     found = planner.plan_swaps(request.programs, request.infos, request.budget, model)
-    return Proposal(RewriteOutcome(model, request.infos, found.choice, 0, found.needed_bytes))
+    if found.variant is not None:  # not without recompute allowed, which picks another strategy
+        model, infos, added = found.variant.model, found.variant.infos, found.variant.added_nodes
+    return Proposal(RewriteOutcome(model, infos, found.choice, added, found.needed_bytes))
 
 
 def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:

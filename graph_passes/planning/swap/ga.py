@@ -1,5 +1,5 @@
 """Genetic search over swap plans (SwapAdvisor §5): schedule, block cuts, state placement and a
-per-tensor keep/swap choice, scored by the simulator, the budget checked by the arena replay.
+per-tensor keep/swap/recompute choice, scored by the simulator, the budget checked by the arena replay.
 
 A :class:`Genome` holds
 
@@ -10,17 +10,23 @@ A :class:`Genome` holds
   topological. Nodes that must stay last (order-dependent ones and their readers) stay there.
 - **cuts**: schedule positions where a new execution block starts.
 - **host_state**: state tensors kept on the host between steps.
-- **victims**: per tensor, its class for the Belady planner: ``SWAP`` tensors leave first
-  under memory pressure, ``KEEP`` tensors last (:meth:`SwapPlanner.plan`'s ``priority``).
+- **choices**: per tensor, keep, swap or recompute. ``SWAP`` tensors leave first under memory
+  pressure, ``KEEP`` tensors last (the Belady planner's classes: :meth:`SwapPlanner.plan`'s
+  ``priority``); ``RECOMPUTE`` (where the space allows it, :attr:`SearchSpace.recompute`) drops a
+  saved forward value after its last forward use and re-creates it before its backward use
+  from what is there then (the graph rewritten by the caller's :class:`Variant`; the schedule
+  and cuts, genes of the given graph, are mapped onto the rewrite, each clone right before its
+  first reader). Any set of recomputed tensors is valid, so crossover and mutation need no repair.
 
 No memory-layout gene: SwapAdvisor's size classes (CLS/CNT) describe its pool allocator; our
 arena is best-fit with compaction, whose need is the live bytes
 (:func:`graph_passes.ir.memory.simulate_program`), so a layout gene would not change any plan's
-feasibility or time. No recompute gene: a recomputation rewrites the graph (new nodes, new
-shapes), so a schedule of one rewrite means nothing in another; the step planner chooses among
+feasibility or time. Whole-segment recomputation is chosen one level up: the step planner plans
 its recompute-and-swap candidates first and hands the GA the winner's graph
-(:meth:`graph_passes.planning.driver.StepPlanner.refine`). The first generation also tries the
-batch-independent small nodes moved (:meth:`_Operators.independent_spread`).
+(:meth:`graph_passes.planning.driver.StepPlanner.refine`), whose saved values the recompute
+genes then choose from. The first generation also tries the batch-independent small nodes moved
+(:meth:`_Operators.independent_spread`) and, where recompute genes apply, the tensors cheaper
+to recompute than to copy by several margins (:data:`RECOMPUTE_RATIOS`).
 
 A genome is decoded as the grid search decodes its candidates (:mod:`graph_passes.planning.swap.search`):
 lowered, Belady-planned, swap-outs issued early, swap-ins hoisted, replayed through the arena
@@ -55,7 +61,11 @@ from graph_passes.planning.swap.search import SwapCandidate
 logger = logging.getLogger(__name__)
 
 DEFAULT_PLAN_TIME_S = 30.0  # the issue's limit is 60 s; most gains come in the first generations
-SWAP, DEFAULT, KEEP = -1, 0, 1
+SWAP, DEFAULT, KEEP, RECOMPUTE = -1, 0, 1, 2
+# First-generation recompute genes: the tensors whose re-creation costs less than this share of
+# their copies out and back in.
+RECOMPUTE_RATIOS = (1.0, 0.3, 0.1)
+VARIANTS_KEPT = 16  # rewritten graphs kept for reuse during one search
 GA_LABEL = "ga"
 
 
@@ -78,7 +88,23 @@ class Genome:
     schedule: tuple[int, ...]
     cuts: frozenset[int]  # schedule positions starting a block (0 excluded)
     host_state: frozenset[str]
-    victims: tuple[tuple[str, int], ...]  # (tensor, SWAP | KEEP); absent: DEFAULT
+    choices: tuple[tuple[str, int], ...]  # (tensor, SWAP | KEEP | RECOMPUTE); absent: DEFAULT
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        return frozenset(t for t, c in self.choices if c == RECOMPUTE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The searched graph with some tensors recomputed: the rewrite, its infos, how many nodes
+    it added, and how a schedule and cuts *of the searched graph* lower it and it is timed."""
+
+    model: onnx.ModelProto
+    infos: Mapping[str, TensorInfo]
+    added_nodes: int
+    lower: Callable[[Sequence[int], Sequence[int]], Program]
+    evaluate: Callable[[Program], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +120,7 @@ class GAResult:
     time_s: float
     stopped: str  # "time", "evaluations" or "converged"
     history: tuple[float, ...]  # best step time after each generation
+    variant: Variant | None = None  # the best plan's rewritten graph (None: the searched graph)
 
     @property
     def improved(self) -> bool:
@@ -110,6 +137,10 @@ class SearchSpace:
     lower: Callable[[Sequence[int], Sequence[int]], Program]  # (schedule, cuts) -> program
     evaluate: Callable[[Program], float]  # simulated step time
     alignment: int = DEFAULT_ALIGNMENT
+    # Recompute genes: the graph with these saved values recomputed (None: no recompute genes),
+    # and per recomputable tensor its re-creation time over its copy time (for the first generation).
+    recompute: Callable[[frozenset[str]], Variant] | None = None
+    recompute_ratio: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def seed_genome(candidate: SwapCandidate) -> Genome:
@@ -122,34 +153,61 @@ def seed_genome(candidate: SwapCandidate) -> Genome:
     return Genome(tuple(schedule), frozenset(cuts), frozenset(candidate.plan.host_state), ())
 
 
-def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = None) -> SwapCandidate | None:
+def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = None,
+           variant: Variant | None = None) -> SwapCandidate | None:
     """The plan a genome stands for, timed; None if it does not fit the budget, or if its
     schedule is not an order the graph can run in (moves can produce one on split graphs,
-    whose split pieces read each other's partial results)."""
+    whose split pieces read each other's partial results). ``variant``: the graph with the
+    genome's recomputed tensors recomputed (the searched graph itself where None)."""
     planner = planner or SwapPlanner()
+    lower, evaluate, infos = ((space.lower, space.evaluate, space.infos) if variant is None
+                              else (variant.lower, variant.evaluate, variant.infos))
     try:
-        program = space.lower(genome.schedule, tuple(sorted(genome.cuts)))
+        program = lower(genome.schedule, tuple(sorted(genome.cuts)))
     except ValueError:  # graph_passes.ir.liveness.check_topological
         return None
-    sizes = {n: align_up(i.nbytes, space.alignment) for n, i in space.infos.items()}
+    sizes = {n: align_up(i.nbytes, space.alignment) for n, i in infos.items()}
     host = genome.host_state & set(program.state_inputs)
-    plan = planner.plan(program, sizes, space.budget, host_state=host, priority=dict(genome.victims))
+    priority = {t: c for t, c in genome.choices if c != RECOMPUTE}
+    plan = planner.plan(program, sizes, space.budget, host_state=host, priority=priority)
     if isinstance(plan, Infeasible):
         return None
-    placed = hoist_swap_ins(issue_swap_outs_early(apply_swap_plan(program, plan)), space.infos,
+    placed = hoist_swap_ins(issue_swap_outs_early(apply_swap_plan(program, plan)), infos,
                             budget=space.budget, alignment=space.alignment)
-    trace = simulate_program(placed, space.infos, budget=space.budget, alignment=space.alignment)
+    trace = simulate_program(placed, infos, budget=space.budget, alignment=space.alignment)
     if trace.min_budget_bytes > space.budget:
         return None
-    return SwapCandidate(program, plan, placed, trace, GA_LABEL, space.evaluate(placed))
+    return SwapCandidate(program, plan, placed, trace, GA_LABEL, evaluate(placed))
+
+
+class _Variants:
+    """The space's rewrites by recomputed set, the last :data:`VARIANTS_KEPT` kept."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+        self.kept: dict[frozenset[str], Variant] = {}
+
+    def __call__(self, recomputed: frozenset[str]) -> Variant | None:
+        if not recomputed or self.space.recompute is None:
+            return None
+        if recomputed not in self.kept:
+            if len(self.kept) >= VARIANTS_KEPT:
+                del self.kept[next(iter(self.kept))]
+            self.kept[recomputed] = self.space.recompute(recomputed)
+        return self.kept[recomputed]
 
 
 class _Operators:
     """Crossover and mutation over one graph's genomes."""
 
     def __init__(self, model: onnx.ModelProto, seed: Genome, seed_plan: Program, state: Sequence[str],
-                 rng: random.Random, config: GAConfig, sizes: Mapping[str, int]) -> None:
+                 rng: random.Random, config: GAConfig, sizes: Mapping[str, int],
+                 recomputable: Mapping[str, float] | None = None) -> None:
+        """``recomputable``: the tensors that may carry a recompute gene, each with its
+        re-creation time over its copy time (none: no recompute genes)."""
         self.rng, self.config = rng, config
+        self.recompute_ratio = dict(recomputable or {})
+        self.recomputable = tuple(sorted(self.recompute_ratio, key=lambda t: (self.recompute_ratio[t], t)))
         io = node_io(model.graph.node)
         producer = {name: i for i, entry in enumerate(io) for name in entry.outputs}
         self.preds = [sorted({producer[n] for n in entry.reads if n in producer}) for entry in io]
@@ -203,13 +261,14 @@ class _Operators:
         split = rng.randrange(1, max(2, len(schedule)))
         cuts = frozenset(c for c in b.cuts if c < split) | frozenset(c for c in a.cuts if c >= split)
         host = frozenset(s for s in self.state if (s in a.host_state if rng.random() < 0.5 else s in b.host_state))
-        va, vb = dict(a.victims), dict(b.victims)
-        victims = {t: (va if rng.random() < 0.5 else vb).get(t, DEFAULT) for t in set(va) | set(vb)}
-        return Genome(schedule, cuts, host, _victims(victims))
+        va, vb = dict(a.choices), dict(b.choices)
+        choices = {t: (va if rng.random() < 0.5 else vb).get(t, DEFAULT) for t in sorted(set(va) | set(vb))}
+        return Genome(schedule, cuts, host, _choices(choices))
 
     def mutate(self, g: Genome) -> Genome:
         rng = self.rng
-        kind = rng.choice(("schedule", "sink", "cuts", "cuts", "host", "victims", "victims"))
+        kinds = ("schedule", "sink", "cuts", "cuts", "host", "choices", "choices")
+        kind = rng.choice(kinds + (("recompute", "recompute") if self.recomputable else ()))
         if kind == "schedule" and self.movable > 1:
             return dataclasses.replace(g, schedule=self._ready_walk(g.schedule))
         if kind == "sink" and self.movable > 1:
@@ -219,10 +278,34 @@ class _Operators:
         if kind == "host" and self.state:
             flips = set(rng.sample(self.state, k=max(1, len(self.state) // 16)))
             return dataclasses.replace(g, host_state=g.host_state ^ flips)
-        victims = dict(g.victims)
+        if kind == "recompute":
+            return self._toggle_recompute(g)
+        choices = dict(g.choices)
         for t in rng.sample(self.gene_tensors, k=min(len(self.gene_tensors), 1 + rng.randrange(4))):
-            victims[t] = rng.choice((SWAP, DEFAULT, KEEP))
-        return dataclasses.replace(g, victims=_victims(victims))
+            choices[t] = rng.choice((SWAP, DEFAULT, KEEP, RECOMPUTE) if t in self.recompute_ratio else (SWAP, DEFAULT, KEEP))
+        return dataclasses.replace(g, choices=_choices(choices))
+
+    def _toggle_recompute(self, g: Genome) -> Genome:
+        """A few recomputable tensors switched between recomputed and not: those switched on
+        drawn with a preference for the cheaper to recompute (the first half of the list by
+        ratio twice as often), those switched off among the recomputed."""
+        rng, choices = self.rng, dict(g.choices)
+        for _ in range(1 + rng.randrange(3)):
+            on = sorted(t for t, c in choices.items() if c == RECOMPUTE)
+            if on and rng.random() < 0.4:
+                choices[rng.choice(on)] = DEFAULT
+                continue
+            half = max(1, len(self.recomputable) // 2)
+            pool = self.recomputable[:half] if rng.random() < 0.5 else self.recomputable
+            choices[rng.choice(pool)] = RECOMPUTE
+        return dataclasses.replace(g, choices=_choices(choices))
+
+    def recompute_cheaper(self, g: Genome, ratio: float) -> Genome:
+        """``g`` with every tensor whose re-creation costs less than ``ratio`` times its copies
+        recomputed."""
+        choices = dict(g.choices)
+        choices.update((t, RECOMPUTE) for t in self.recomputable if self.recompute_ratio[t] < ratio)
+        return dataclasses.replace(g, choices=_choices(choices))
 
     def _ready_walk(self, schedule: tuple[int, ...]) -> tuple[int, ...]:
         """SwapAdvisor's schedule mutation over the movable prefix."""
@@ -302,7 +385,7 @@ def _batch_independent(io, data_inputs, sizes: Mapping[str, int], producer: Mapp
     return frozenset(chosen)
 
 
-def _victims(classes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+def _choices(classes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((t, c) for t, c in classes.items() if c != DEFAULT))
 
 
@@ -321,7 +404,9 @@ class GeneticSwapSearch:
         rng = random.Random(cfg.seed)
         first = seed_genome(seed)
         sizes = {n: align_up(i.nbytes, space.alignment) for n, i in space.infos.items()}
-        ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, rng, cfg, sizes)
+        ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, rng, cfg, sizes,
+                         space.recompute_ratio if space.recompute is not None else None)
+        variants = _Variants(space)
         scored: dict[Genome, SwapCandidate | None] = {first: seed}
         population: list[Genome] = [first]
         best, best_genome = seed, None
@@ -341,7 +426,7 @@ class GeneticSwapSearch:
                     break
                 if child in scored:
                     continue
-                scored[child] = decode(child, space, self.planner)
+                scored[child] = self._decode(child, space, variants)
                 logger.debug("GA evaluation %d: %.4g s", evaluations, _time(scored[child]))
                 evaluations += 1
                 feasible += scored[child] is not None
@@ -358,8 +443,19 @@ class GeneticSwapSearch:
         seconds = self.clock() - start
         logger.info("GA swap search: %d generations, %d evaluations (%d fit), %.3g s -> %.3g s simulated in %.1f s (%s)",
                     generations, evaluations, feasible, seed.step_time_s, best.step_time_s, seconds, stopped)
+        variant = None if best_genome is None else variants(best_genome.recomputed)
         return GAResult(best, best_genome, seed.step_time_s, generations, evaluations, feasible, seconds, stopped,
-                        tuple(history))
+                        tuple(history), variant)
+
+    def _decode(self, genome: Genome, space: SearchSpace, variants: _Variants) -> SwapCandidate | None:
+        """:func:`decode` on the genome's rewrite; None where the rewrite fails (a recompute
+        choice the recompute pass refuses)."""
+        try:
+            variant = variants(genome.recomputed)
+        except ValueError as e:
+            logger.debug("GA: no rewrite for %d recomputed tensors (%s)", len(genome.recomputed), e)
+            return None
+        return decode(genome, space, self.planner, variant)
 
     def _children(self, population, scored, ops: _Operators, *, fill: bool) -> list[Genome]:
         """Mutants of the seed while the population fills, then crossovers of tournament
@@ -367,9 +463,12 @@ class GeneticSwapSearch:
         rng, cfg = ops.rng, self.config
         if fill:
             children = [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
-            if len(population) == 1:  # the first generation also tries moving the batch-independent nodes
-                spans = ("forward", "first", "step")[: len(children)]
-                children[: len(spans)] = [ops.independent_spread(population[0], span) for span in spans]
+            if len(population) == 1:  # the first generation: the batch-independent nodes moved, cheap recomputes
+                seeds = [ops.independent_spread(population[0], span) for span in ("forward", "first", "step")]
+                if ops.recomputable:
+                    seeds[1:1] = [ops.recompute_cheaper(population[0], ratio) for ratio in RECOMPUTE_RATIOS]
+                seeds = list(dict.fromkeys(seeds))[: len(children)]
+                children[: len(seeds)] = seeds
             return children
         children = []
         for _ in range(cfg.children):
@@ -395,8 +494,8 @@ def _time(candidate: SwapCandidate | None) -> float:
 
 def _order_key(g: Genome):
     """A total order on genomes (ties in time must not depend on set iteration order)."""
-    return (len(g.cuts), tuple(sorted(g.cuts)), tuple(sorted(g.host_state)), g.victims, g.schedule)
+    return (len(g.cuts), tuple(sorted(g.cuts)), tuple(sorted(g.host_state)), g.choices, g.schedule)
 
 
-__all__ = ["DEFAULT_PLAN_TIME_S", "GAConfig", "GAResult", "Genome", "GeneticSwapSearch", "KEEP", "SWAP",
-           "SearchSpace", "decode", "seed_genome"]
+__all__ = ["DEFAULT_PLAN_TIME_S", "GAConfig", "GAResult", "Genome", "GeneticSwapSearch", "KEEP", "RECOMPUTE",
+           "RECOMPUTE_RATIOS", "SWAP", "SearchSpace", "Variant", "decode", "seed_genome"]

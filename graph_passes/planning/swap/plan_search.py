@@ -2,6 +2,7 @@
 overlap compute, the genetic search (:mod:`graph_passes.planning.swap.ga`) seeded with the grid's best.
 
 The step planner calls :func:`refine_swap_plan` on the grid's choice; it returns the plan to use
+(:class:`Refined`: where the GA recomputed tensors, on the rewritten graph its ``variant`` gives)
 and a :class:`PlanSearch` record that reports and the benchmark read.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable, Mapping
 
-from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace
+from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, Variant
 from graph_passes.planning.swap.search import SwapCandidate
 
 GRID, GA = "grid", "ga"
@@ -27,33 +29,51 @@ class PlanSearch:
     generations: int = 0
     evaluations: int = 0
     stopped: str = ""
+    recomputed_tensors: int = 0  # tensors the GA chose to recompute (recompute genes)
+
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model):
+@dataclasses.dataclass(frozen=True)
+class Refined:
+    """The plan to use, its simulated seconds, how it was searched, and the graph it runs
+    where the GA recomputed tensors (None: the graph given)."""
+
+    choice: object  # graph_passes.planning.choice.ProgramChoice
+    seconds: float
+    search: PlanSearch
+    variant: Variant | None = None
+
+
+def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model, *,
+                     recompute: Callable[[frozenset[str]], Variant] | None = None,
+                     recompute_ratio: Mapping[str, float] | None = None) -> Refined:
     """``choice`` (the grid's :class:`~graph_passes.planning.choice.ProgramChoice`) improved by
-    the GA within the target's plan time; returns (choice, seconds, PlanSearch)."""
+    the GA within the target's plan time. ``recompute``: the graph with some saved values
+    recomputed (the GA's recompute genes, priced by ``recompute_ratio``); None: swap genes only."""
     target = layouts.target
     if target.plan_time <= 0:
-        return choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0)
+        return Refined(choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0))
     seed = SwapCandidate(choice.base, choice.swap_plan, choice.program, choice.trace, "grid", seconds)
     space = SearchSpace(
         model=model, infos=infos, budget=budget, alignment=target.alignment,
         lower=lambda schedule, cuts: layouts.lower_with_cuts(model, infos, list(schedule), cuts),
         evaluate=lambda p: layouts.simulated_time(p, infos, model, budget),
+        recompute=recompute, recompute_ratio=dict(recompute_ratio or {}),
     )
     started = time.perf_counter()
     result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed)).search(seed, space)
     best = result.best
+    recomputed = len(result.genome.recomputed) if result.genome is not None else 0
     record = PlanSearch(GA, seconds, best.step_time_s, time.perf_counter() - started, result.generations,
-                        result.evaluations, result.stopped)
+                        result.evaluations, result.stopped, recomputed)
     if not result.improved:
-        return choice, seconds, record
+        return Refined(choice, seconds, record)
     improved = dataclasses.replace(choice, program=best.program, trace=best.trace, base_program=best.base_program,
                                    swap_plan=best.plan)
-    return improved, best.step_time_s, record
+    return Refined(improved, best.step_time_s, record, result.variant)
 
 
-__all__ = ["GA", "GRID", "PlanSearch", "refine_swap_plan"]
+__all__ = ["GA", "GRID", "PlanSearch", "Refined", "refine_swap_plan"]
