@@ -33,8 +33,9 @@ CNN ``small``; ``--quick``: their ``tiny`` configs), in one process:
    seconds), each with its planning time; ``pct_of_bound`` = 100 × the lower bound of
    :mod:`graph_passes.cost.step_bound` / simulated step time (100 = at the physical limit).
    A third plan per profile (``ga_recompute``) may also recompute (passes recompute and swap:
-   the planner's recompute-or-swap candidates, the fastest refined by the GA); its bound is
-   the compute alone, since recomputing trades link bytes for compute.
+   the planner's recompute-or-swap candidates, the fastest refined by the GA, whose per-tensor
+   genes then choose among keep, swap and recompute: ``plan_search.recomputed_tensors``); its
+   bound is the compute alone, since recomputing trades link bytes for compute.
 
 Nothing is capped or skipped: every row is planned and run in full; how long planning took is
 reported per row (``plan_time_s``). A table is printed (rich) and the JSON goes to

@@ -30,6 +30,17 @@ Three bounds; the step is at least the largest (:class:`StepTimeBound`):
   cost their bytes over the rate and nodes their compute on the side the bound counts it. At
   the :data:`CUT_POINTS` nodes whose ancestor sets score highest.
 
+- **Room to copy** (``capacity_s``). While a block runs, its inputs, its outputs and the values
+  born and dead inside it are on the device, so for every node ``k`` in it at least ``M_k``
+  bytes (``k``'s inputs and outputs): what comes in (or goes out) while the block computes has
+  at most ``B - M_k`` bytes of room (a copy in is allocated before it starts; a copy out is of
+  a value on the device when the block starts, not one of its own). Over a block that is at most
+  ``min(r * t_b, B - max M_k)``, which is at most the sum over its nodes of
+  ``min(r * t_k, B - M_k)``: the most any blocking can copy under compute. The rest of the
+  bytes the link bound says must come in (go out) moves while nothing computes:
+  ``T >= C + (in - Σ_k min(r_in * t_k, max(0, B - M_k))) / r_in``, and the same out. It bites
+  where the budget is barely above the largest nodes.
+
 The link bound's cut nodes are those whose ancestors (with themselves) score highest by the
 same weights (a cut is at most that set's weight), :data:`CUT_POINTS` per direction.
 
@@ -64,7 +75,7 @@ _PS = 1e12  # the split bound's capacities: picoseconds, rounded down
 class StepTimeBound:
     """The bound and its arithmetic."""
 
-    seconds: float  # max(compute_s, link_s, split_s)
+    seconds: float  # max(compute_s, link_s, split_s, capacity_s)
     compute_s: float
     link_s: float
     budget_bytes: int
@@ -73,6 +84,8 @@ class StepTimeBound:
     d2h_bytes: int  # at least this many bytes go out
     split_s: float = 0.0  # the split bound (module docstring)
     split: str = ""  # its arithmetic
+    capacity_s: float = 0.0  # the room-to-copy bound (module docstring)
+    under_compute_bytes: tuple[int, int] = (0, 0)  # (in, out): the most any plan copies while computing
 
     def describe(self) -> str:
         """One line of the arithmetic (for reports and the benchmark's README)."""
@@ -80,7 +93,11 @@ class StepTimeBound:
                 f"{self.h2d_bytes / 2**20:.1f} MiB in, {self.d2h_bytes / 2**20:.1f} MiB out; "
                 f"{self.necessary_live_bytes / 2**20:.1f} MiB necessarily live vs a "
                 f"{self.budget_bytes / 2**20:.1f} MiB budget")
-        return text + (f"; split {self.split_s * 1e3:.3f} ms: {self.split})" if self.split else ")")
+        text += f"; split {self.split_s * 1e3:.3f} ms: {self.split}" if self.split else ""
+        if self.capacity_s > self.compute_s:
+            text += (f"; room to copy {self.capacity_s * 1e3:.3f} ms: at most {self.under_compute_bytes[0] / 2**20:.1f}"
+                     f" MiB in, {self.under_compute_bytes[1] / 2**20:.1f} MiB out under compute")
+        return text + ")"
 
 
 def link_time(h2d_bytes: float, d2h_bytes: float, profile: DeviceProfile) -> float:
@@ -153,7 +170,23 @@ def step_time_bound(
     h2d, d2h, live = _link_bytes(graph, proxies, budget, cut_points)
     link = link_time(h2d, d2h, profile)
     split, how = _split_bound(graph, proxies, profile, budget, cut_points)
-    return StepTimeBound(max(compute, link, split), compute, link, budget, live, h2d, d2h, split, how)
+    capacity, under = _capacity_bound(graph, profile, budget, compute, h2d, d2h)
+    return StepTimeBound(max(compute, link, split, capacity), compute, link, budget, live, h2d, d2h, split, how,
+                         capacity, under)
+
+
+def _capacity_bound(g: _Graph, profile: DeviceProfile, budget: int, compute: float, h2d: int,
+                    d2h: int) -> tuple[float, tuple[int, int]]:
+    """The room-to-copy bound (module docstring) and the most bytes (in, out) any plan copies
+    while computing."""
+    room = np.array([max(0, budget - sum(g.sizes.get(n, 0) for n in set(b.inputs) | set(b.outputs)))
+                     for b in g.program.blocks], dtype=float)
+    busy = g.times + profile.block_overhead_s  # a block's launch too, at most once per node
+    under_in = float(np.sum(np.minimum(busy * profile.h2d_bandwidth, room)))
+    under_out = float(np.sum(np.minimum(busy * profile.d2h_bandwidth, room)))
+    seconds = compute + max(max(0.0, h2d - under_in) / profile.h2d_bandwidth,
+                            max(0.0, d2h - under_out) / profile.d2h_bandwidth)
+    return seconds, (int(under_in), int(under_out))
 
 
 class _Proxies:

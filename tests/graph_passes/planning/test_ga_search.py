@@ -220,3 +220,28 @@ def test_transform_reports_what_it_expects_of_the_plan(tmp_path):
     assert report["step_time_lower_bound_s"] <= report["simulated_step_time_s"] * (1 + 1e-9)
     assert report["simulated_unlimited_step_time_s"] <= report["simulated_step_time_s"] * (1 + 1e-9)
     assert report["simulated_step_time_s"] == pytest.approx(search["step_time_s"])
+
+
+@pytest.mark.parametrize("width", [128, 256])
+def test_the_room_to_copy_bound_sees_a_budget_barely_above_the_largest_nodes(width):
+    """Near the least budget, the largest nodes leave little room for copies under their
+    compute: on a slow link the room-to-copy bound is above the compute and the link bounds,
+    and still below the grid's plan and every GA plan."""
+    graph, infos, finest, seed, space = _chain_space(width=width, where=0.0)
+    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    assert bound.capacity_s > max(bound.compute_s, bound.link_s) and "room to copy" in bound.describe()
+    assert bound.under_compute_bytes[0] < bound.h2d_bytes  # not all that must come in fits under compute
+    times = []
+
+    def evaluate(program):
+        times.append(simulate_time(program, infos, model=graph.model, profile=slow_link,
+                                   budget=space.budget).step_time_s)
+        return times[-1]
+
+    probe = dataclasses.replace(space, evaluate=evaluate)
+    grid = SwapSearch(while_improving=True).search(
+        [space.lower(seed_genome(seed).schedule, sorted(seed_genome(seed).cuts))], infos, budget=space.budget,
+        evaluate=evaluate)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
