@@ -25,7 +25,7 @@ import numpy as np
 
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.ir.shapes import TensorInfo
-from ort_offload.runtime.device_memory import DeviceMemory, NumpyMemory
+from ort_offload.runtime.device_memory import DeviceMemory, NumpyMemory, all_finite_arrays
 
 # Arena states remembered by state_token (each a tuple of every placement).
 MAX_STATE_TOKENS = 64
@@ -98,6 +98,7 @@ class DeviceArena:
         # after they change; equal placements get the same object (the placed steps' keys).
         self._token: object | None = None
         self._tokens: dict[tuple, object] = {}
+        self._finite_views: dict[tuple[str, ...], tuple] = {}  # all_finite's, per list of names
         self.compactions = 0
         self.regrowths = 0
         self._reserve(capacity if self.eager else 0)
@@ -355,6 +356,17 @@ class DeviceArena:
         """Allocate ``name`` and copy ``array`` into it."""
         self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
         self.write(name, array)
+
+    def all_finite(self, names: tuple[str, ...]) -> bool:
+        """Whether every one of ``names`` (all placed here) holds only finite values, in one
+        fused check; in host memory over views kept while the placements and buffer stay."""
+        if not self.eager:
+            return all(self.finite(names))
+        cached = self._finite_views.get(names)
+        if cached is None or self._token is None or cached[0] is not self._token or cached[1] is not self.buffer:
+            views = [self.memory.view(self.buffer, self.offset(n), self._infos[n]).reshape(-1) for n in names]
+            cached = self._finite_views[names] = (self._token, self.buffer, views)
+        return all_finite_arrays(cached[2])
 
     def finite(self, names) -> list[bool]:
         """Whether each tensor of ``names`` holds only finite values (read where it lives)."""

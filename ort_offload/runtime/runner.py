@@ -108,7 +108,7 @@ class Runtime:
         # made at one version hold until the next (OrtTrainer's per-batch-signature cache).
         self.state_version = 0
         self.evict_engine = self.backend.d2h  # swap-outs
-        self._floating_names: dict[tuple[str, ...], list[str]] = {}  # first_nonfinite's, at _floating_version
+        self._floating_names: dict[tuple[str, ...], _Names] = {}  # first_nonfinite's, at _floating_version
         self._floating_version = -1
         self._planning_profile: DeviceProfile | None = None
 
@@ -182,16 +182,20 @@ class Runtime:
         """The first of ``names`` holding NaN or inf, else None; floating tensors in the arena
         are checked where they are (on a GPU, without copying them out)."""
         floating = self._floating(names)
-        resident = [n for n in floating if n in self.arena]
+        if self.arena.holds_all(floating.names):  # the usual case: one fused check
+            with self.backend.on_compute_stream():
+                if self.arena.all_finite(floating.order):
+                    return None
+        resident = [n for n in floating.order if n in self.arena]
         with self.backend.on_compute_stream():
             finite = dict(zip(resident, self.arena.finite(resident)))
-        for name in floating:
+        for name in floating.order:
             ok = finite[name] if name in finite else all_finite(self.host.get(name))
             if not ok:
                 return name
         return None
 
-    def _floating(self, names) -> list[str]:
+    def _floating(self, names) -> "_Names":
         """Those of ``names`` that hold floating values (not empty): kept per list of names
         until :attr:`state_version` changes (the only time a state tensor's dtype or shape can)."""
         key = tuple(names)
@@ -200,8 +204,8 @@ class Runtime:
             self._floating_version = self.state_version
         floating = self._floating_names.get(key)
         if floating is None:
-            floating = self._floating_names[key] = [
-                n for n in key if (info := self.info(n)).nbytes and _is_floating(info.dtype)]
+            order = tuple(n for n in key if (info := self.info(n)).nbytes and _is_floating(info.dtype))
+            floating = self._floating_names[key] = _Names(order, frozenset(order))
         return floating
 
     def write(self, name: str, array: np.ndarray) -> None:
@@ -214,6 +218,14 @@ class Runtime:
             return
         with self.backend.on_compute_stream():
             self.arena.write(name, array)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """Names in order, and as a set."""
+
+    order: tuple[str, ...]
+    names: frozenset[str]
 
 
 @functools.cache
