@@ -98,7 +98,7 @@ class DeviceArena:
         # after they change; equal placements get the same object (the placed steps' keys).
         self._token: object | None = None
         self._tokens: dict[tuple, object] = {}
-        self._finite_views: dict[tuple[str, ...], tuple] = {}  # all_finite's, per list of names
+        self._finite_views: dict[tuple, tuple] = {}  # all_finite's, per list of names and state token
         self.compactions = 0
         self.regrowths = 0
         self._reserve(capacity if self.eager else 0)
@@ -362,11 +362,14 @@ class DeviceArena:
         fused check; in host memory over views kept while the placements and buffer stay."""
         if not self.eager:
             return all(self.finite(names))
-        cached = self._finite_views.get(names)
-        if cached is None or self._token is None or cached[0] is not self._token or cached[1] is not self.buffer:
+        key = (names, self._token)
+        cached = self._finite_views.get(key) if self._token is not None else None
+        if cached is None or cached[0] is not self.buffer:
             views = [self.memory.view(self.buffer, self.offset(n), self._infos[n]).reshape(-1) for n in names]
-            cached = self._finite_views[names] = (self._token, self.buffer, views)
-        return all_finite_arrays(cached[2])
+            if len(self._finite_views) >= MAX_STATE_TOKENS:
+                self._finite_views.clear()
+            cached = self._finite_views[key] = (self.buffer, views)
+        return all_finite_arrays(cached[1])
 
     def finite(self, names) -> list[bool]:
         """Whether each tensor of ``names`` holds only finite values (read where it lives)."""

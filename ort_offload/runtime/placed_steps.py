@@ -28,6 +28,7 @@ import numpy as np
 from graph_passes.ir.program import Commit, Fetch, Load, RunBlock
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.ir.step_placement import PlacedStep, place_step
+from ort_offload.runtime.block_session import BindingLayout
 
 # Steps a program runs by best fit, step by step, before its steps are placed ahead (see above).
 BEST_FIT_STEPS = 2
@@ -46,7 +47,7 @@ class PlacedTable:
     freed_state: tuple[tuple[str, ...], ...]  # per op: state tensors consumed before it runs
     keeps: bool  # every update has its state's dtype and shape (the commit's check)
     base: int = -1  # the arena address ``pointers`` are for
-    pointers: tuple = ()  # per op: the pointers a block binds (None for other ops)
+    pointers: tuple = ()  # per op: the BindingLayout a block binds (None for other ops)
 
 
 @dataclasses.dataclass
@@ -149,7 +150,8 @@ class PlacedSteps:
         arena.cover(table.placed.extent)
         if table.base != arena.base:
             table.base = arena.base
-            table.pointers = tuple(None if op[0] != "run" else tuple(table.base + o for o in op[2]) for op in table.ops)
+            table.pointers = tuple(None if op[0] != "run" else BindingLayout(tuple(table.base + o for o in op[2]), op[1].shapes)
+                                   for op in table.ops)
         fetched: dict[str, np.ndarray] = {}
         for index, op in enumerate(table.ops):
             kind = op[0]
@@ -170,11 +172,11 @@ class PlacedSteps:
             runtime.state_version += 1
         return fetched
 
-    def _run_block(self, layout, pointers: tuple[int, ...], hosted: Mapping[str, int], prepared, backend) -> None:
+    def _run_block(self, layout, bound: BindingLayout, hosted: Mapping[str, int], prepared, backend) -> None:
         session = layout.session
         host_values = self.runner.host_values(prepared, session, self._reader(hosted, prepared)) if hosted else None
         try:
-            session.run_at(pointers, layout.shapes, prepared.infos, backend, host_values)
+            session.run_at(bound[0], layout.shapes, prepared.infos, backend, host_values, layout=bound)
         except Exception as e:
             raise self.runner.block_failed(layout.block.index, e) from e
 

@@ -433,7 +433,8 @@ class GraphRunner:
     def _run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         runtime = self.runtime
         arena = runtime.arena
-        self._place_state_for(prepared.program)
+        if prepared.program.host_state or not arena.holds_all(self._state_set(prepared)):
+            self._place_state_for(prepared.program)
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
         if not arena.eager:
             arena.reserve(prepared.trace.arena_high_water)
@@ -524,6 +525,14 @@ class GraphRunner:
             f"block {block} of {self.graph.name} failed in ONNX Runtime ({ort_error_summary(error)}); "
             "check the batch values (e.g. token ids below the vocabulary size)"
         )
+
+    @staticmethod
+    def _state_set(prepared: PreparedStep) -> frozenset[str]:
+        """The state ``prepared``'s program keeps resident, as a set (made once)."""
+        names = prepared.run_cache.get("state_set")
+        if names is None:
+            names = prepared.run_cache["state_set"] = frozenset(prepared.program.state_inputs)
+        return names
 
     def _place_state_for(self, program: Program) -> None:
         """Put the state where ``program``'s plan expects it before it runs: the state it keeps
