@@ -25,7 +25,7 @@ import numpy as np
 
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.ir.shapes import TensorInfo
-from ort_offload.runtime.device_memory import DeviceMemory, NumpyMemory, all_finite_arrays
+from ort_offload.runtime.device_memory import DeviceMemory, FiniteCheck, NumpyMemory
 
 # Arena states remembered by state_token (each a tuple of every placement).
 MAX_STATE_TOKENS = 64
@@ -365,11 +365,11 @@ class DeviceArena:
         key = (names, self._token)
         cached = self._finite_views.get(key) if self._token is not None else None
         if cached is None or cached[0] is not self.buffer:
-            views = [self.memory.view(self.buffer, self.offset(n), self._infos[n]).reshape(-1) for n in names]
+            check = FiniteCheck(self.memory.view(self.buffer, self.offset(n), self._infos[n]).reshape(-1) for n in names)
             if len(self._finite_views) >= MAX_STATE_TOKENS:
                 self._finite_views.clear()
-            cached = self._finite_views[key] = (self.buffer, views)
-        return all_finite_arrays(cached[1])
+            cached = self._finite_views[key] = (self.buffer, check)
+        return cached[1]()
 
     def finite(self, names) -> list[bool]:
         """Whether each tensor of ``names`` holds only finite values (read where it lives)."""
