@@ -72,11 +72,17 @@ run: setup
 # The fast suite: without the slow tests (fuzzing, kill loops, repeats of a check on more cases)
 # and the tests that run the benchmark scripts; test-all runs everything (CI runs test-all).
 # Both keep the tiny models' exports in .test-cache/ between runs (pytest --fresh-exports: afresh).
+# Tests run in TEST_WORKERS processes (pytest-xdist), each file in one of them (module fixtures
+# run once); the benchmark tests run alone after them, so that their timings see a quiet machine.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q -m "not slow and not bench"
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not bench"
 
 test-all: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL) -m "not bench"
+	$(PY) -m pytest -q -m bench
 
 bench: setup
 	$(PY) -m benchmarks.overhead

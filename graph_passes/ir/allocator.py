@@ -181,6 +181,70 @@ class BestFitAllocator:
                 self._add_hole(end, o + h - end)
         return self._record(name, offset, size)
 
+    def place_at(self, name: str, nbytes: int, offset: int) -> Placement:
+        """Place ``name`` at ``offset`` (aligned), which must be free: inside a hole, at or above
+        the frontier, or a trailing hole and the space above it. Raises ValueError if it is not."""
+        if name in self._placements:
+            raise ValueError(f"{name!r} is already allocated")
+        size = align_up(nbytes, self.alignment)
+        end = offset + size
+        if offset % self.alignment or offset < 0 or (self.capacity is not None and end > self.capacity):
+            raise ValueError(f"{name!r}: offset {offset} is not an aligned place inside the arena")
+        if offset >= self._top:
+            return self._place(name, offset, size)
+        starts, sizes = self._starts, self._sizes
+        i = bisect.bisect_right(starts, offset) - 1
+        if i < 0 or starts[i] + sizes[i] < min(end, self._top) or (end > self._top and starts[i] + sizes[i] != self._top):
+            raise ValueError(f"{name!r}: [{offset}, {end}) is not free")
+        hole, hole_size = self._pop_hole(i)
+        if offset > hole:
+            self._add_hole(hole, offset - hole)
+        if hole + hole_size > end:
+            self._add_hole(end, hole + hole_size - end)
+        self._top = max(self._top, end)
+        return self._record(name, offset, size)
+
+    def fit_avoiding(self, nbytes: int, avoid) -> int:
+        """The offset best fit would choose for ``nbytes`` if the spans of ``avoid`` ((offset,
+        bytes) pairs) were taken too: the smallest free fragment that fits (lowest offset among
+        equal ones), else the frontier, moved above any span it would overlap."""
+        size = align_up(nbytes, self.alignment)
+        spans = sorted((offset, offset + span) for offset, span in avoid)
+        best = None  # (fragment size, offset)
+        for hole, hole_size in zip(self._starts, self._sizes):
+            cursor, hole_end = hole, hole + hole_size
+            for lo, hi in spans + [(hole_end, hole_end)]:
+                if hi <= cursor or lo > hole_end:
+                    continue
+                piece = min(lo, hole_end) - cursor
+                if piece >= size and (best is None or piece < best[0]):
+                    best = (piece, cursor)
+                cursor = max(cursor, hi)
+                if cursor >= hole_end:
+                    break
+        if best is not None:
+            return best[1]
+        offset = self._top
+        if self._starts and self._starts[-1] + self._sizes[-1] == offset:
+            offset = self._starts[-1]
+        moved = True
+        while moved:
+            moved = False
+            for lo, hi in spans:
+                if lo < offset + size and offset < hi:
+                    offset, moved = hi, True
+        return offset
+
+    def restore(self, other: "BestFitAllocator") -> None:
+        """Take ``other``'s placements, holes and frontier (copies; not its capacity); the
+        high-water marks keep the larger of both (``other`` is a replay of this allocator's next step)."""
+        self._starts, self._sizes = list(other._starts), list(other._sizes)
+        self._top = other._top
+        self._placements = dict(other._placements)
+        self.in_use = other.in_use
+        self.high_water = max(self.high_water, other.high_water)
+        self.peak_in_use = max(self.peak_in_use, other.peak_in_use)
+
     def free(self, name: str) -> None:
         placement = self._placements.pop(name, None)
         if placement is None:

@@ -25,7 +25,10 @@ import numpy as np
 
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, BestFitAllocator, OutOfArenaMemory, align_up
 from graph_passes.ir.shapes import TensorInfo
-from ort_offload.runtime.device_memory import DeviceMemory, NumpyMemory
+from ort_offload.runtime.device_memory import DeviceMemory, FiniteCheck, NumpyMemory
+
+# Arena states remembered by state_token (each a tuple of every placement).
+MAX_STATE_TOKENS = 64
 
 __all__ = ["ARENA_POLICIES", "BestFitPolicy", "DeviceArena", "DoubleBufferPolicy", "OutOfArenaMemory", "make_policy"]
 
@@ -91,6 +94,11 @@ class DeviceArena:
         self.buffer = self.memory.allocate(0, alignment)
         self._base = self.memory.pointer(self.buffer, 0)  # the buffer's address (pointer() adds offsets)
         self._infos: dict[str, TensorInfo] = {}
+        # The object standing for the placements now (state_token), None until asked for or
+        # after they change; equal placements get the same object (the placed steps' keys).
+        self._token: object | None = None
+        self._tokens: dict[tuple, object] = {}
+        self._finite_views: dict[tuple, tuple] = {}  # all_finite's, per list of names and state token
         self.compactions = 0
         self.regrowths = 0
         self._reserve(capacity if self.eager else 0)
@@ -175,6 +183,7 @@ class DeviceArena:
         else:
             self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
         self._infos[name] = info
+        self._token = None
         if not self.eager:
             self._back()
 
@@ -186,6 +195,7 @@ class DeviceArena:
                 self.allocate(name, info)
             return
         allocate, infos = self.allocator.allocate, self._infos
+        self._token = None
         for name, info in tensors:
             try:
                 allocate(name, info.nbytes)
@@ -199,6 +209,7 @@ class DeviceArena:
         back): a split view, written whole, read and freed piece by piece."""
         self.allocate(name, info, region=region)
         self.allocator.partition(name, [(piece, piece_info.nbytes) for piece, piece_info in pieces])
+        self._token = None
         del self._infos[name]
         self._infos.update(pieces)
 
@@ -214,16 +225,19 @@ class DeviceArena:
         for name, old, new in moves:
             self.memory.move(self.buffer, old, new, self.allocator.placement(name).nbytes)
         if moves:
+            self._token = None
             self.compactions += 1
             self.memory.release_cached()
 
     def free(self, name: str) -> None:
         self.allocator.free(name)
         del self._infos[name]
+        self._token = None
 
     def free_all(self, names) -> None:
         """:meth:`free` each of ``names``, in order."""
         free, infos = self.allocator.free, self._infos
+        self._token = None
         for name in names:
             free(name)
             del infos[name]
@@ -231,6 +245,64 @@ class DeviceArena:
     def rename(self, old: str, new: str) -> None:
         self.allocator.rename(old, new)
         self._infos[new] = self._infos.pop(old)
+        self._token = None
+
+    # ---- placed steps (ort_offload.runtime.placed_steps) ----------------------------------
+
+    def state_token(self) -> object:
+        """An object standing for where every tensor is now: the same object whenever the
+        placements are the same (placed steps are looked up by it)."""
+        if self._token is None:
+            self._token = self.token_of(self.allocator)
+        return self._token
+
+    def token_of(self, allocator) -> object:
+        """:meth:`state_token` of the state ``allocator`` (a BestFitAllocator) holds."""
+        key = (allocator.layout(), allocator.high_water_live())
+        if len(self._tokens) >= MAX_STATE_TOKENS and key not in self._tokens:
+            self._tokens.clear()  # states seen long ago: their steps are placed again if they recur
+        return self._tokens.setdefault(key, object())
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """What the arena holds: name -> TensorInfo (do not change it)."""
+        return self._infos
+
+    def adopt(self, placed, infos: dict[str, TensorInfo], token: object, *, capacity: int | None) -> None:
+        """Take the placements a replay of a step ended in (``placed``, a BestFitAllocator
+        whose start was this arena's state), the tensors' ``infos`` and the ``token`` of that
+        state; ``capacity``: the cap the step left (None: keep this one)."""
+        self.allocator.restore(placed)
+        if capacity is not None:
+            self.allocator.capacity = capacity
+        self._infos = dict(infos)
+        self._token = token
+
+    def cover(self, extent: int) -> None:
+        """Back and allow ``extent`` bytes before a placed step reaches that far (what
+        allocations past the end do in a growable arena, all at once)."""
+        if self.growable and (self.allocator.capacity or 0) < extent:
+            if self.eager:
+                self.set_capacity(extent)
+                return
+            self.allocator.capacity = extent
+        if extent > self.reserved_bytes:
+            if self.eager:
+                self._reserve(extent)
+            else:
+                self._reserve(max(extent, self.reserved_bytes + self.reserved_bytes // 4))
+
+    @property
+    def base(self) -> int:
+        """The buffer's address (a tensor's pointer is this plus its offset)."""
+        return self._base
+
+    def write_at(self, offset: int, info: TensorInfo, array: np.ndarray) -> None:
+        """:meth:`write` to a tensor at ``offset`` (a placed step's, not registered yet)."""
+        self.memory.write(self.buffer, offset, np.asarray(array, dtype=info.dtype))
+
+    def read_at(self, offset: int, info: TensorInfo) -> np.ndarray:
+        """:meth:`read` of a tensor at ``offset`` (a placed step's)."""
+        return self.memory.read(self.buffer, offset, info)
 
     def __contains__(self, name: str) -> bool:
         return name in self._infos
@@ -284,6 +356,20 @@ class DeviceArena:
         """Allocate ``name`` and copy ``array`` into it."""
         self.allocate(name, TensorInfo(np.dtype(array.dtype), tuple(array.shape)))
         self.write(name, array)
+
+    def all_finite(self, names: tuple[str, ...]) -> bool:
+        """Whether every one of ``names`` (all placed here) holds only finite values, in one
+        fused check; in host memory over views kept while the placements and buffer stay."""
+        if not self.eager:
+            return all(self.finite(names))
+        key = (names, self._token)
+        cached = self._finite_views.get(key) if self._token is not None else None
+        if cached is None or cached[0] is not self.buffer:
+            check = FiniteCheck(self.memory.view(self.buffer, self.offset(n), self._infos[n]).reshape(-1) for n in names)
+            if len(self._finite_views) >= MAX_STATE_TOKENS:
+                self._finite_views.clear()
+            cached = self._finite_views[key] = (self.buffer, check)
+        return cached[1]()
 
     def finite(self, names) -> list[bool]:
         """Whether each tensor of ``names`` holds only finite values (read where it lives)."""

@@ -80,6 +80,19 @@ def block_content_key(sub: onnx.ModelProto) -> bytes:
 BINDINGS_PER_VARIANT = 4
 
 
+class BindingLayout(tuple):
+    """``(pointers, shapes)`` of a block's bound tensors, equal to that tuple, with its hash
+    computed once (a caller that runs the same layout every other step keeps one)."""
+
+    def __new__(cls, pointers: tuple[int, ...], shapes: tuple[tuple[int, ...], ...]) -> "BindingLayout":
+        layout = super().__new__(cls, (pointers, shapes))
+        layout._hash = tuple.__hash__(layout)
+        return layout
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 class _Variant:
     """One ORT session of a block (with one set of folded values) and its bindings."""
 
@@ -178,11 +191,14 @@ class BlockSession:
         self.run_at(tuple(pointers[n] for n in names), tuple(infos[n].shape for n in names), infos, backend, host_values)
 
     def run_at(self, pointers: tuple[int, ...], shapes: tuple[tuple[int, ...], ...], infos: Mapping[str, TensorInfo],
-               backend=None, host_values: Mapping[str, np.ndarray] | None = None) -> None:
+               backend=None, host_values: Mapping[str, np.ndarray] | None = None, *,
+               layout: "BindingLayout | None" = None) -> None:
         """:meth:`run` with the pointers and shapes of :attr:`names`, in that order (the
-        runner's per-step path: nothing is bound where this layout was bound before)."""
+        runner's per-step path: nothing is bound where this layout was bound before).
+        ``layout``: ``BindingLayout(pointers, shapes)``, where the caller keeps one."""
         variant = self._single or self._variant(host_values or {}, infos)
-        layout = (pointers, shapes)
+        if layout is None:
+            layout = (pointers, shapes)
         binding = variant.bindings.get(layout)
         if binding is None:
             binding, previous = variant.spare_binding()

@@ -53,6 +53,9 @@ class HostStore:
     def rename(self, old: str, new: str) -> None:
         self._tensors[new] = self._tensors.pop(old)
 
+    def holds_nothing(self) -> bool:
+        return not self._tensors
+
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 

@@ -35,6 +35,7 @@ from ort_offload.runtime.block_session import BlockSession, block_content_key, b
 from ort_offload.budget import format_bytes
 from ort_offload.budget_basis import FIRST_BATCH, BudgetBasis
 from ort_offload.runtime.offload_device import OffloadDevice
+from ort_offload.runtime.placed_steps import PlacedSteps
 from ort_offload.runtime.device_backend import DeviceBackend, make_backend
 from ort_offload.runtime.device_memory import all_finite
 from ort_offload.errors import BudgetTooSmallError, ExecutionError, OffloadError
@@ -82,8 +83,8 @@ class PreparedStep:
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
     split_nodes: int = 0  # nodes the split pass added
     split_plan: object = None  # graph_passes.planning.split.planner.JointPlan
-    # What every run of this program derives from it alone (_StepExecution: each RunBlock
-    # step's _BlockLayout, the views, the first readers), made at its first run. It lives and
+    # What every run of this program derives from it alone (each RunBlock step's _BlockLayout,
+    # the first readers, the placed steps: ort_offload.runtime.placed_steps), made at its first run. It lives and
     # dies with this immutable program, so it cannot go stale.
     run_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -107,7 +108,7 @@ class Runtime:
         # made at one version hold until the next (OrtTrainer's per-batch-signature cache).
         self.state_version = 0
         self.evict_engine = self.backend.d2h  # swap-outs
-        self._floating_names: dict[tuple[str, ...], list[str]] = {}  # first_nonfinite's, at _floating_version
+        self._floating_names: dict[tuple[str, ...], _Names] = {}  # first_nonfinite's, at _floating_version
         self._floating_version = -1
         self._planning_profile: DeviceProfile | None = None
 
@@ -181,16 +182,20 @@ class Runtime:
         """The first of ``names`` holding NaN or inf, else None; floating tensors in the arena
         are checked where they are (on a GPU, without copying them out)."""
         floating = self._floating(names)
-        resident = [n for n in floating if n in self.arena]
+        if self.arena.holds_all(floating.names):  # the usual case: one fused check
+            with self.backend.on_compute_stream():
+                if self.arena.all_finite(floating.order):
+                    return None
+        resident = [n for n in floating.order if n in self.arena]
         with self.backend.on_compute_stream():
             finite = dict(zip(resident, self.arena.finite(resident)))
-        for name in floating:
+        for name in floating.order:
             ok = finite[name] if name in finite else all_finite(self.host.get(name))
             if not ok:
                 return name
         return None
 
-    def _floating(self, names) -> list[str]:
+    def _floating(self, names) -> "_Names":
         """Those of ``names`` that hold floating values (not empty): kept per list of names
         until :attr:`state_version` changes (the only time a state tensor's dtype or shape can)."""
         key = tuple(names)
@@ -199,8 +204,8 @@ class Runtime:
             self._floating_version = self.state_version
         floating = self._floating_names.get(key)
         if floating is None:
-            floating = self._floating_names[key] = [
-                n for n in key if (info := self.info(n)).nbytes and _is_floating(info.dtype)]
+            order = tuple(n for n in key if (info := self.info(n)).nbytes and _is_floating(info.dtype))
+            floating = self._floating_names[key] = _Names(order, frozenset(order))
         return floating
 
     def write(self, name: str, array: np.ndarray) -> None:
@@ -213,6 +218,14 @@ class Runtime:
             return
         with self.backend.on_compute_stream():
             self.arena.write(name, array)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """Names in order, and as a set."""
+
+    order: tuple[str, ...]
+    names: frozenset[str]
 
 
 @functools.cache
@@ -260,6 +273,7 @@ class GraphRunner:
         self.last_trace: MemoryTrace | None = None
         self.last_prepared: PreparedStep | None = None
         self.step_times_s: list[float] = []
+        self.placed = PlacedSteps(self)  # steps placed ahead (static memory plans), per program
         self.declared_inputs = shapes.declared_inputs(self.model)
 
     # ---- planning --------------------------------------------------------------------------
@@ -419,11 +433,33 @@ class GraphRunner:
     def _run(self, feeds: Mapping[str, np.ndarray], prepared: PreparedStep) -> dict[str, np.ndarray]:
         runtime = self.runtime
         arena = runtime.arena
-        self._place_state_for(prepared.program)
+        if prepared.program.host_state or not arena.holds_all(self._state_set(prepared)):
+            self._place_state_for(prepared.program)
         arena.set_capacity(max(self.capacity_for(prepared), arena.allocator.high_water_live()))
         if not arena.eager:
             arena.reserve(prepared.trace.arena_high_water)
         started = time.perf_counter()
+        table = self.placed.table(prepared)
+        if table is not None:  # placed ahead: runs from its table
+            try:
+                fetched = self.placed.run(table, prepared, feeds)
+            except Exception as e:
+                self._abort(prepared.program, cause=e)
+                raise
+            peak = table.placed.peak_bytes
+        else:
+            fetched, peak = self._run_steps(prepared, feeds)
+        runtime.stats.blocks_run += len(prepared.program.blocks)
+        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, peak)
+        self.step_times_s.append(time.perf_counter() - started)
+        if runtime.backend.used_bytes is not None and runtime.backend.counter is None:  # the counter now
+            measured = runtime.backend.used_bytes()
+            runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
+        return fetched
+
+    def _run_steps(self, prepared: PreparedStep, feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """Execute the program step by step; the fetched outputs and the step's peak."""
+        runtime, arena = self.runtime, self.runtime.arena
         execution = _StepExecution(self, prepared, feeds)
         handlers = {
             Load: execution.load, RunBlock: execution.run_block, Fetch: execution.fetch, Commit: execution.commit,
@@ -444,13 +480,59 @@ class GraphRunner:
             execution.finish()
             self._abort(prepared.program, cause=e)
             raise
-        runtime.stats.blocks_run += len(prepared.program.blocks)
-        runtime.stats.peak_device_bytes = max(runtime.stats.peak_device_bytes, execution.peak)
-        self.step_times_s.append(time.perf_counter() - started)
-        if runtime.backend.used_bytes is not None and runtime.backend.counter is None:  # the counter now
-            measured = runtime.backend.used_bytes()
-            runtime.stats.measured_device_bytes = max(runtime.stats.measured_device_bytes or 0, measured)
-        return execution.fetched
+        return execution.fetched, execution.peak
+
+    def block_layout(self, prepared: PreparedStep, step: RunBlock) -> "_BlockLayout":
+        """What running ``step`` binds, allocates and frees (this program's, made at its first
+        run; the program holds its steps, so their ids are stable)."""
+        layout = prepared.run_cache.get(id(step))
+        if layout is not None:
+            return layout
+        block = prepared.program.blocks[step.block]
+        session = self.session(prepared, step.block)
+        names = session.names  # the order it binds in
+        view_start = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
+        units = tuple(allocation_units(prepared.program, step.allocates))
+        infos = prepared.infos
+        layout = prepared.run_cache[id(step)] = _BlockLayout(
+            session=session, block=block,
+            where=tuple(view_start.get(n, n) for n in names),
+            shapes=tuple(infos[n].shape for n in names),
+            units=units,
+            outputs=None if any(pieces for _, pieces in units) else tuple((n, infos[n]) for n, _ in units),
+            inputs=frozenset(block.inputs), frees=tuple(step.frees),
+        )
+        return layout
+
+    def host_values(self, prepared: PreparedStep, session: BlockSession, read) -> dict[str, np.ndarray]:
+        """Values of the block inputs ``session`` folds (shapes a device's kernels read on the
+        host), each got with ``read(name)``: once per signature where they follow from the
+        input shapes alone, else at every run."""
+        values = {}
+        for name in session.host_inputs:
+            key = (prepared.signature, id(prepared.model), name)
+            value = self.host_value_cache.get(key)
+            if value is None:
+                value = read(name)
+                if name in self.signature_values(prepared):
+                    self.host_value_cache[key] = value
+            values[name] = value
+        return values
+
+    def block_failed(self, block: int, error: Exception) -> ExecutionError:
+        """The error for block ``block`` failing in ONNX Runtime with ``error``."""
+        return ExecutionError(
+            f"block {block} of {self.graph.name} failed in ONNX Runtime ({ort_error_summary(error)}); "
+            "check the batch values (e.g. token ids below the vocabulary size)"
+        )
+
+    @staticmethod
+    def _state_set(prepared: PreparedStep) -> frozenset[str]:
+        """The state ``prepared``'s program keeps resident, as a set (made once)."""
+        names = prepared.run_cache.get("state_set")
+        if names is None:
+            names = prepared.run_cache["state_set"] = frozenset(prepared.program.state_inputs)
+        return names
 
     def _place_state_for(self, program: Program) -> None:
         """Put the state where ``program``'s plan expects it before it runs: the state it keeps
@@ -511,12 +593,10 @@ class _StepExecution:
         usable = None if self.budget is None else self.budget - prepared.program.max_workspace_bytes
         self.policy = make_policy(runner.runtime.device.arena_policy, usable=usable, alignment=self.arena.alignment)
         cache = prepared.run_cache
-        if "views" not in cache:
+        if "first_readers" not in cache:
             cache["first_readers"] = _first_readers(prepared.program)
-            cache["views"] = {whole: pieces[0] for whole, pieces in prepared.program.views}  # where a view is written
         self.steered = self.policy.region(0) is not None  # whether the policy chooses regions at all
         self.first_reader = cache["first_readers"] if self.steered else {}
-        self.view_start = cache["views"]
         self.block: int | None = None  # the block running or about to run
         # Swap-outs in flight: name -> the host buffer being filled. Their arena bytes stay
         # allocated until the copy is done and :meth:`_release` frees them.
@@ -642,26 +722,9 @@ class _StepExecution:
         self.stats.swap_in_bytes += self.infos[name].nbytes
         self.stats.swap_time_s += time.perf_counter() - started
 
-    def _layout(self, step: RunBlock) -> "_BlockLayout":
-        """What running ``step`` binds, allocates and frees (this program's, made at its first
-        run; the program holds its steps, so their ids are stable)."""
-        block = self.prepared.program.blocks[step.block]
-        session = self.runner.session(self.prepared, step.block)
-        names = session.names  # the order it binds in
-        units = tuple(allocation_units(self.prepared.program, step.allocates))
-        layout = self.prepared.run_cache[id(step)] = _BlockLayout(
-            session=session, block=block,
-            where=tuple(self.view_start.get(n, n) for n in names),
-            shapes=tuple(self.infos[n].shape for n in names),
-            units=units,
-            outputs=None if any(pieces for _, pieces in units) else tuple((n, self.infos[n]) for n, _ in units),
-            inputs=frozenset(block.inputs), frees=tuple(step.frees),
-        )
-        return layout
-
     def run_block(self, step: RunBlock) -> None:
         arena = self.arena
-        layout = self.prepared.run_cache.get(id(step)) or self._layout(step)
+        layout = self.prepared.run_cache.get(id(step)) or self.runner.block_layout(self.prepared, step)
         # This signature's block: the session may have been made at another one, whose
         # workspace (shape-dependent) is not this step's.
         workspace = layout.block.workspace_bytes
@@ -683,32 +746,13 @@ class _StepExecution:
         session = layout.session
         try:
             session.run_at(arena.pointers(layout.where), layout.shapes, self.infos, self.runtime.backend,
-                           self._host_values(session) if session.host_inputs else None)
+                           self.runner.host_values(self.prepared, session, arena.read) if session.host_inputs else None)
         except Exception as e:
-            first = ort_error_summary(e)
-            raise ExecutionError(
-                f"block {step.block} of {self.runner.graph.name} failed in ONNX Runtime ({first}); "
-                "check the batch values (e.g. token ids below the vocabulary size)"
-            ) from e
+            raise self.runner.block_failed(step.block, e) from e
         if self.runner.after_block is not None:
             self.runner.after_block(self, step.block)
         arena.free_all(layout.frees)
         self.host.discard_all(layout.frees)  # a clean host copy dies with the value
-
-    def _host_values(self, session: BlockSession) -> dict[str, np.ndarray]:
-        """Values of the block inputs its session folds (shapes a device's kernels read on
-        the host): read from the arena, once per signature where they follow from the input
-        shapes alone, else at every run."""
-        values = {}
-        for name in session.host_inputs:
-            key = (self.prepared.signature, id(self.prepared.model), name)
-            value = self.runner.host_value_cache.get(key)
-            if value is None:
-                value = self.arena.read(name)
-                if name in self.runner.signature_values(self.prepared):
-                    self.runner.host_value_cache[key] = value
-            values[name] = value
-        return values
 
     def fetch(self, step: Fetch) -> None:
         if self.leaving or self.arrived or self.copies.pending() or step.name not in self.arena:

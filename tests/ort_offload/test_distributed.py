@@ -225,6 +225,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     np.testing.assert_allclose(loss, two_ranks["records"][0]["losses"][2], rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow  # two processes and a kill (~25 s)
 def test_a_killed_rank_ends_the_other_with_an_error(tmp_path):
     run = run_ranks(tmp_path, "--steps", str(STEPS), "--die-at", "2")
     assert run["codes"][1] == 3
@@ -234,6 +235,7 @@ def test_a_killed_rank_ends_the_other_with_an_error(tmp_path):
     assert error.startswith("DistributedError: rank 0:") and "\n" not in error
 
 
+@pytest.mark.slow  # two processes up to the check (~30 s)
 def test_ranks_with_different_budgets_are_refused_at_start(tmp_path):
     run = run_ranks(tmp_path, "--steps", "1", "--rank-budget", "1=64MiB")
     assert run["codes"] == [2, 2]
@@ -242,6 +244,7 @@ def test_ranks_with_different_budgets_are_refused_at_start(tmp_path):
         assert "\n" not in record["error"]
 
 
+@pytest.mark.slow  # a third two-rank run through torchrun (~45 s)
 def test_torchrun_trains_the_cli_model_and_rank_zero_writes_the_report(two_ranks, tmp_path):
     """``torchrun --nproc-per-node 2 -m ort_offload train --shard-optimizer-state``, under a
     budget that makes the ranks swap (gradients are reduced wherever they are, parameters

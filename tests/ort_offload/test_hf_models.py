@@ -104,6 +104,7 @@ def test_trains_like_torch_unbudgeted_at_fractions_of_the_peak_and_at_the_stated
         assert train(model, batches, loss_fn, name, budget) == unplanned, budget  # planned runs: bitwise equal
 
 
+@pytest.mark.slow  # a second bert export (~20 s); tied bert runs in the fast suite
 def test_bert_masked_lm_with_untied_embeddings_trains_like_torch():
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(bert_config(tie_word_embeddings=False))
@@ -118,7 +119,7 @@ def test_bert_masked_lm_with_untied_embeddings_trains_like_torch():
     np.testing.assert_allclose([trainer.step(*i, *t) for i, t in batches], expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_eval_gives_the_logits_of_the_trained_weights(name):
     """GPT-2's output holds a KV cache object (no graph output); Llama's parameters are named
     ``model.layers...``, which the eval graph must keep as the training state names them."""

@@ -169,3 +169,21 @@ def test_the_state_check_follows_a_tensor_whose_dtype_changes():
     assert runtime.first_nonfinite(["w", "n"]) == "n"
     runtime.write("w", np.array([1.0, np.inf, 0.0, 0.0], np.float32))
     assert runtime.first_nonfinite(["w", "n"]) == "w"
+
+
+def test_the_fused_finiteness_check_finds_one_bad_element_anywhere_and_survives_overflow(monkeypatch):
+    from ort_offload.runtime import device_memory
+    from ort_offload.runtime.device_memory import FiniteCheck
+
+    monkeypatch.setattr(device_memory, "FUSED_FINITE_BYTES", 64)  # 16-float arrays and smaller are gathered
+    arrays = [np.ones(n, dtype=np.float32) for n in (3, 16, 40)] + [np.ones(5, dtype=np.float16)]
+    check = FiniteCheck(arrays)
+    assert len(check.gathered) == 2 and len(check.large) == 1 and check()
+    for array in arrays:
+        for bad in (np.nan, np.inf, -np.inf):
+            array[-1] = bad
+            assert not check(), (array.dtype, array.size, bad)  # read in place: no new check needed
+            array[-1] = 1
+    assert check()
+    huge = [np.full(16, np.finfo(np.float32).max, dtype=np.float32), np.full(40, np.finfo(np.float32).max, dtype=np.float32)]
+    assert FiniteCheck(huge)()  # the sums overflow, each element is finite

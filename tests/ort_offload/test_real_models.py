@@ -188,6 +188,7 @@ def test_a_constant_tensor_attribute_is_part_of_the_key(tmp_path):
     assert key_only(Masked(torch.ones(4))) != key_only(Masked(torch.tensor([1.0, 0.0, 1.0, 0.0])))
 
 
+@pytest.mark.slow  # exports in a second Python process (~35 s)
 def test_the_key_is_the_same_in_another_process():
     import subprocess
     import sys

@@ -19,6 +19,7 @@ def run_cli(*args):
     return main([str(a) for a in args])
 
 
+@pytest.mark.slow  # the zoo harness end to end on two models at every budget (~1-2 min)
 def test_one_light_graph_and_one_of_ours_pass_end_to_end(tmp_path, capsys):
     """The zoo end to end on a light zoo graph and one of our models at 0.5x (the whole quick
     subset below is `make test-all`'s; writing the baseline is tested in test_cli.py)."""
@@ -57,6 +58,7 @@ def test_quick_zoo_passes_writes_table_json_and_baseline(tmp_path, capsys):
     assert "baseline updated" in table
 
 
+@pytest.mark.slow  # a minimum search over a zoo model (~25 s)
 def test_minimum_budget_is_the_smallest_that_plans():
     case = zoo.zoo_cases(only=["mlp-tiny"])[0]
     result = zoo.run_case(case, budgets=("min",))

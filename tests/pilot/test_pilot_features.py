@@ -15,7 +15,11 @@ from pilot.idioms import IDIOM_TABLE, IDIOMS, UnknownOpError, idiom_counts, op_s
 from pilot_helpers import FAMILIES, block_graphs, spec_and_architecture
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# The families whose block exports take ~20 s each run in the slow suite.
+SLOW_EXPORTS = {"tree-lstm", "recycle-former", "var-bert"}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_EXPORTS else f for f in FAMILIES])
 def test_idiom_table_covers_every_op_of_the_zoo_blocks(family):
     ops = {node.op_type for g in block_graphs(family) for node in g.forward.graph.node}
     assert ops, "a block graph with no ops"

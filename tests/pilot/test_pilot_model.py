@@ -55,6 +55,7 @@ def small_run():
                        samples=600, test_samples=60, steps=2000, hidden=32)
 
 
+@pytest.mark.slow  # trains a pilot model for 2000 steps (~40 s)
 def test_small_training_run_generalizes_to_held_out_var_lstm(small_run):
     report = small_run.report
     assert report["trained_families"] == ["fixed-lstm"]
@@ -63,6 +64,7 @@ def test_small_training_run_generalizes_to_held_out_var_lstm(small_run):
     assert report["families"]["fixed-lstm"]["exact_path"] >= SMALL_RUN_MIN_ACCURACY, report
 
 
+@pytest.mark.slow  # shares the 2000-step training run above
 def test_pilot_predicts_through_the_onnx_session(small_run):
     spec, arch = spec_and_architecture("var-lstm")
     pilot = Pilot(small_run.onnx_model)

@@ -89,6 +89,7 @@ def test_training_with_recompute_is_bitwise_unplanned_within_the_budget(unplanne
     assert all(run.state[k].tobytes() == v.tobytes() for k, v in reference.state.items())
 
 
+@pytest.mark.slow  # a minimum search for recompute and for swap (~30 s)
 def test_a_budget_recompute_cannot_reach_states_its_minimum_and_swap_goes_further(unplanned):
     with pytest.raises(BudgetTooSmallError) as info:
         train_ort("gpt", optimizer="adamw", steps=1, budget="0.25x", passes="recompute")

@@ -39,6 +39,7 @@ def _bert_units():
     return graph, feeds, infos, segments, units, cost_model
 
 
+@pytest.mark.slow  # plans every segment of bert small (~50 s); the units' numbers are checked fast below
 def test_units_are_the_cheap_saved_values_of_their_segment():
     graph, _, infos, segments, units, cost_model = _bert_units()
     nodes = graph.model.graph.node

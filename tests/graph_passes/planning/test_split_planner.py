@@ -144,6 +144,7 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
         assert max_relative_diff(run.state[key], value) <= 1e-5, key
 
 
+@pytest.mark.slow  # a minimum search with split (~20 s)
 def test_a_budget_no_split_reaches_names_the_bottleneck_and_a_minimum_that_plans():
     with pytest.raises(BudgetTooSmallError) as refused:
         train_ort("gpt", steps=1, budget=1, passes=("swap",), optimizer="adamw")

@@ -356,6 +356,7 @@ def test_block_sessions_memory_is_taken_from_the_budget(passes, fraction):
     assert run.losses == reference.losses
 
 
+@pytest.mark.slow  # plans and runs until the sessions fill the budget (~30 s)
 def test_a_budget_the_block_sessions_fill_is_one_clear_error():
     from ort_offload.errors import BudgetTooSmallError
 
