@@ -18,6 +18,7 @@ import time
 from typing import Callable, Mapping
 
 import onnx
+import onnx_ir.passes
 
 from graph_passes.cost.cost_model import AnalyticalCostModel
 from graph_passes.formatting import format_bytes
@@ -33,6 +34,7 @@ from graph_passes.planning.partition import refine_blocks
 from graph_passes.planning.recompute.signatures import RecomputePlanning
 from graph_passes.planning.schedule import training_spine, updates_early
 from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
+from graph_passes.planning.split.graph_pass import Cut, SplitPass
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
@@ -52,6 +54,7 @@ class StepPlan:
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
     split_nodes: int = 0  # nodes the split pass added
     split_plan: object = None  # graph_passes.planning.split.planner.JointPlan
+    rewrites: tuple[onnx_ir.passes.PassBase, ...] = ()  # the passes that turn the target's graph into ``model``
 
 
 @dataclasses.dataclass
@@ -272,7 +275,8 @@ class StepPlanner:
         logger.info("split plan for %s: %d ops split, %d nodes added", target.graph.name, len(result.choices),
                     split_node_count(model))
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model,
-                        split_nodes=split_node_count(model), split_plan=result)
+                        split_nodes=split_node_count(model), split_plan=result,
+                        rewrites=(SplitPass(result.split, infos, cut=Cut.SPLIT),))
 
     def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome:
         """A strategy's chosen candidate (simulated at ``seconds``): its swap plan searched further
@@ -366,7 +370,8 @@ class StepPlanner:
 
 
 def _step_plan(outcome: RewriteOutcome) -> StepPlan:
-    return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes)
+    return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes,
+                    rewrites=outcome.rewrites)
 
 
 def replayed_need(plan: StepPlan, budget: int, alignment: int) -> int | None:

@@ -182,7 +182,8 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
             m_model, m_schedule, m_clones = planner.recompute.rewrite(cheap, segments)
             m_infos = recomputed_infos(infos, m_model)
             with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest",
-                       RewriteOutcome(m_model, m_infos, None, m_clones, least),
+                       RewriteOutcome(m_model, m_infos, None, m_clones, least,
+                                      rewrites=(planner.recompute.recompute_pass(cheap, segments),)),
                        layouts.lowerings(m_model, m_infos, m_schedule))
     weighed = tuple((label, seconds) for label, seconds, _ in candidates)
     if not candidates:

@@ -56,7 +56,7 @@ from graph_passes.formatting import format_bytes
 from graph_passes.planning.recompute.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.planning.recompute.planner import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
-from graph_passes.planning.recompute.graph_pass import clone_sources, recomputed_infos, write_recompute_plan
+from graph_passes.planning.recompute.graph_pass import RecomputePass, clone_sources, recomputed_infos, write_recompute_plan
 from graph_passes.planning.recompute.selective import selective_units
 from graph_passes.planning.blocks import BlockLayouts
 from graph_passes.planning.choice import ProgramChoice, RewriteOutcome
@@ -172,12 +172,17 @@ class RecomputePlanning:
         whole = {s.index for s in plan.segments}
         return tuple(sorted(s.index for s in plan.segments if s.within not in whole))
 
+    def recompute_pass(self, key: tuple[int, ...], segments: list[Segment]) -> RecomputePass:
+        """The pass that writes these segments (and units) into the target's graph (``key`` as
+        :meth:`key_of` gives it): what :meth:`rewrite` applies, and what a plan carries."""
+        return RecomputePass(RecomputePlan(tuple(segments[k] for k in key)), loss_name=self.layouts.target.graph.loss_name)
+
     def rewrite(self, key: tuple[int, ...], segments: list[Segment]):
         """(model, schedule, clone count) of the graph with these segments (and units)
         recomputed (``key`` as :meth:`key_of` gives it)."""
         if key not in self._rewritten:
-            plan = RecomputePlan(tuple(segments[k] for k in key))
-            model, clones = write_recompute_plan(self.layouts.target.model, plan, loss_name=self.layouts.target.graph.loss_name)
+            recompute = self.recompute_pass(key, segments)
+            model, clones = write_recompute_plan(self.layouts.target.model, recompute.plan, loss_name=recompute.loss_name)
             self._rewritten[key] = (model, order_dependent_last(model, self.layouts.node_io_of(model)), clones)
             self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]
@@ -208,7 +213,7 @@ class RecomputePlanning:
             return None
         self.stats.reuses += 1
         return RewriteOutcome(model, model_infos, ProgramChoice(program, trace, ("recompute",)), clones,
-                              trace.min_budget_bytes, (program,))
+                              trace.min_budget_bytes, (program,), (self.recompute_pass(cached.segments, segments),))
 
     def _largest_blocks_known_exceeded(self, dims: tuple[int, ...], budget: int) -> bool:
         """Whether every segment recomputed did not fit the largest blocks at data input
@@ -339,7 +344,7 @@ class RecomputePlanning:
             key = self.key_of(result)
             model, _, clones = self.rewrite(key, at.segments)
             return RewriteOutcome(model, at.model_infos(key), None, clones, min(needed, at.need(True)(result)),
-                                  tuple(candidates))
+                                  tuple(candidates), (self.recompute_pass(key, at.segments),))
         return best[2:]
 
     def _settle(self, at: "_SizePlanning", key, program: Program, trace) -> RewriteOutcome:
@@ -360,7 +365,7 @@ class RecomputePlanning:
                     "%d blocks", self.layouts.target.graph.name, at.size, len([k for k in key if k < layers]), layers,
                     len([k for k in key if k >= layers]), clones, len(program.blocks))
         return RewriteOutcome(model, at.model_infos(key), ProgramChoice(program, trace, ("recompute",)), clones,
-                              trace.min_budget_bytes, (program,))
+                              trace.min_budget_bytes, (program,), (self.recompute_pass(key, at.segments),))
 
     def _cheaper_from_larger_size(self, size: int, segments, clones: int, blocks: int, model_infos, budget: int):
         """(key, cuts, program, trace) of the plan made at a larger input size with the fewest
