@@ -128,12 +128,19 @@ def copy_node(source: ir.Node, *, inputs: Sequence[ir.Value | None], outputs: Se
     )
 
 
+def move_annotations(source: ir.Value, target: ir.Value) -> None:
+    """``target`` gets ``source``'s type, shape, doc string and metadata (what a value info or
+    graph output holds), and ``source`` none (so it gets no value info of its own)."""
+    target.type, target.shape, target.doc_string = source.type, source.shape, source.doc_string
+    target.metadata_props.update(source.metadata_props)
+    source.type = source.shape = source.doc_string = None
+    source.metadata_props.clear()
+
+
 def take_over(original: ir.Value, replacement: ir.Value) -> None:
-    """``replacement`` becomes ``original``: its readers, its graph-output places, and its type,
-    shape and annotations (which the graph's value infos hold, under the same name)."""
-    replacement.type, replacement.shape = original.type, original.shape
-    replacement.doc_string = original.doc_string
-    replacement.metadata_props.update(original.metadata_props)
+    """``replacement`` becomes ``original``: its readers, its graph-output places, and its
+    annotations (the graph's value infos hold them under the same name)."""
+    move_annotations(original, replacement)
     original.replace_all_uses_with(replacement, replace_graph_outputs=True)
 
 
@@ -143,6 +150,6 @@ def carries(node: ir.Node, key: str, value: str) -> bool:
 
 
 __all__ = [
-    "ancestor_indices", "available_values", "carries", "check_topological", "copy_attribute", "copy_node", "output_names", "read_names",
-    "read_values", "set_order", "stable_topological", "take_over",
+    "ancestor_indices", "available_values", "carries", "check_topological", "copy_attribute", "copy_node",
+    "move_annotations", "output_names", "read_names", "read_values", "set_order", "stable_topological", "take_over",
 ]

@@ -24,6 +24,7 @@ topologically sorted and no backward node reads a recomputed original.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import onnx
@@ -44,12 +45,43 @@ def clone_name(name: str, segment: int) -> str:
 
 
 def write_recompute_plan(model: onnx.ModelProto, plan: RecomputePlan, *, loss_name: str) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``model`` with the plan's clones; returns it and the number of clone nodes. For
-    the planner, which lowers and replays protos: one conversion each way around
-    :func:`recompute_in_place`."""
-    rewritten = ir.from_proto(model)
-    clones = recompute_in_place(rewritten.graph, plan, loss_name=loss_name)
-    return ir.to_proto(rewritten), clones
+    """A copy of ``model`` with the plan's clones; returns it and the number of clone nodes."""
+    return RecomputeWriter(model, loss_name=loss_name).write(plan)
+
+
+class RecomputeWriter:
+    """Writes recompute plans into one protobuf graph, one after another (the planner's graphs:
+    its target with each key's segments recomputed). The graph is converted to ``onnx_ir``
+    once; each plan is written in place (:func:`recompute_in_place`), the result converted back,
+    and the plan taken out again: the conversions, not the rewrite, are what costs."""
+
+    def __init__(self, model: onnx.ModelProto, *, loss_name: str) -> None:
+        self.model = ir.from_proto(model)
+        self.loss_name = loss_name
+
+    def write(self, plan: RecomputePlan) -> tuple[onnx.ModelProto, int]:
+        """The graph with ``plan`` written in, and the number of clone nodes."""
+        edits = recompute_in_place(self.model.graph, plan, loss_name=self.loss_name)
+        try:
+            return ir.to_proto(self.model), len(edits.clones)
+        finally:
+            edits.undo()
+
+
+@dataclasses.dataclass
+class RecomputeEdits:
+    """What :func:`recompute_in_place` changed: the clones it inserted and the backward inputs
+    it pointed at them (node, input index, the original read before)."""
+
+    graph: ir.Graph
+    clones: list[ir.Node]
+    rewired: list[tuple[ir.Node, int, ir.Value]]
+
+    def undo(self) -> None:
+        """The graph as it was before."""
+        for node, index, original in self.rewired:
+            node.replace_input_with(index, original)
+        self.graph.remove(self.clones, safe=True)
 
 
 def forward_indices(nodes: list[ir.Node], loss_name: str) -> set[int]:
@@ -61,9 +93,8 @@ def forward_indices(nodes: list[ir.Node], loss_name: str) -> set[int]:
     return ancestor_indices(nodes, [loss])
 
 
-def recompute_in_place(graph: ir.Graph, plan: RecomputePlan, *, loss_name: str) -> int:
-    """Insert the plan's clones into ``graph`` and point the backward at them; returns the
-    number of clone nodes."""
+def recompute_in_place(graph: ir.Graph, plan: RecomputePlan, *, loss_name: str) -> RecomputeEdits:
+    """Insert the plan's clones into ``graph`` and point the backward at them."""
     nodes = list(graph)
     forward = forward_indices(nodes, loss_name)
     first_backward_reader: dict[str, int] = {}
@@ -99,15 +130,17 @@ def recompute_in_place(graph: ir.Graph, plan: RecomputePlan, *, loss_name: str) 
                 batch.append(writer.clone(index, segment.index, produced_in[segment.index]))
                 emitted.add(index)
             writer.renamed[name] = writer.value(clone_name(name, segment.index))
+    edits = RecomputeEdits(graph, [clone for batch in writer.inserts.values() for clone in batch], [])
     for index, node in enumerate(nodes):
         if index in writer.inserts:
             graph.insert_before(node, writer.inserts[index])
         if index not in forward:
             for k, value in enumerate(node.inputs):
                 if value is not None and value.name in writer.renamed:
+                    edits.rewired.append((node, k, value))
                     node.replace_input_with(k, writer.renamed[value.name])
     check_topological(graph)
-    return sum(len(batch) for batch in writer.inserts.values())
+    return edits
 
 
 class _CloneWriter:
@@ -182,7 +215,7 @@ class RecomputePass(onnx_ir.passes.InPlacePass):
             raise onnx_ir.passes.PreconditionError(f"plan segments include non-forward nodes {outside[:3]}")
 
     def call(self, model: ir.Model) -> onnx_ir.passes.PassResult:
-        self.clones = recompute_in_place(model.graph, self.plan, loss_name=self.loss_name)
+        self.clones = len(recompute_in_place(model.graph, self.plan, loss_name=self.loss_name).clones)
         return onnx_ir.passes.PassResult(model, modified=self.clones > 0)
 
     def ensures(self, model: ir.Model) -> None:
@@ -199,6 +232,6 @@ class RecomputePass(onnx_ir.passes.InPlacePass):
 
 
 __all__ = [
-    "RecomputePass", "clone_name", "clone_sources", "forward_indices", "recompute_in_place", "recomputed_infos",
+    "RecomputeEdits", "RecomputePass", "RecomputeWriter", "clone_name", "clone_sources", "forward_indices", "recompute_in_place", "recomputed_infos",
     "recreated_values", "write_recompute_plan",
 ]

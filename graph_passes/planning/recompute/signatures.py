@@ -56,7 +56,7 @@ from graph_passes.formatting import format_bytes
 from graph_passes.planning.recompute.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.planning.recompute.planner import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
-from graph_passes.planning.recompute.graph_pass import RecomputePass, clone_sources, recomputed_infos, write_recompute_plan
+from graph_passes.planning.recompute.graph_pass import RecomputePass, RecomputeWriter, clone_sources, recomputed_infos
 from graph_passes.planning.recompute.selective import selective_units
 from graph_passes.planning.blocks import BlockLayouts
 from graph_passes.planning.choice import ProgramChoice, RewriteOutcome
@@ -115,6 +115,7 @@ class RecomputePlanning:
         self._unit_layout: list[tuple[tuple[int, ...], tuple[str, ...], int]] | None = None  # ... and segment
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
         self._clone_sources: dict[tuple[int, ...], dict[str, str]] = {}  # ... -> clone output -> original
+        self._writer: RecomputeWriter | None = None  # writes the rewritten graphs (the target's, in onnx_ir)
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
         self._made: dict[int, CachedPlan] = {}  # input size -> the plan made there
@@ -128,7 +129,7 @@ class RecomputePlanning:
         signature at many budgets, each as a new run would)."""
         other = RecomputePlanning(self.layouts, policy=self.policy, fit_sizes=self.fit_sizes, selective=self.selective)
         other._layout, other._unit_layout = self._layout, self._unit_layout
-        other._rewritten, other._clone_sources = self._rewritten, self._clone_sources
+        other._rewritten, other._clone_sources, other._writer = self._rewritten, self._clone_sources, self._writer
         if other._layout is not None:
             other.estimator = LayerMemoryEstimator(len(other._layout), fit_sizes=other.fit_sizes)
         return other
@@ -181,8 +182,9 @@ class RecomputePlanning:
         """(model, schedule, clone count) of the graph with these segments (and units)
         recomputed (``key`` as :meth:`key_of` gives it)."""
         if key not in self._rewritten:
-            recompute = self.recompute_pass(key, segments)
-            model, clones = write_recompute_plan(self.layouts.target.model, recompute.plan, loss_name=recompute.loss_name)
+            if self._writer is None:
+                self._writer = RecomputeWriter(self.layouts.target.model, loss_name=self.layouts.target.graph.loss_name)
+            model, clones = self._writer.write(self.recompute_pass(key, segments).plan)
             self._rewritten[key] = (model, order_dependent_last(model, self.layouts.node_io_of(model)), clones)
             self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]

@@ -21,7 +21,7 @@ import onnx_ir.passes
 
 from custom_ops.registry import DOMAIN
 from custom_ops.swap import PASS_KEY, REASON_KEY, SWAP_IN, SWAP_OUT, attach_functions_ir, swap_node_name
-from graph_passes.ir.editing import available_values, check_topological, set_order
+from graph_passes.ir.editing import available_values, check_topological, move_annotations, set_order
 from graph_passes.ir.provenance import SWAP_PASS
 from graph_passes.ir.allocator import OutOfArenaMemory
 from graph_passes.ir.memory import simulate_program
@@ -155,8 +155,7 @@ class _SwapWriter:
         for k, value in enumerate(self.graph.outputs):
             copy = last.get(renamed.get(value))
             if copy is not None:
-                copy.type, copy.shape, copy.doc_string = value.type, value.shape, value.doc_string
-                value.type = value.shape = value.doc_string = None
+                move_annotations(value, copy)
                 self.graph.outputs[k] = copy
 
 

@@ -157,6 +157,22 @@ def test_each_pass_writes_the_graph_it_wrote_on_protobuf(case):
     assert listing(CASES[case]()) == _expected()[case]
 
 
+def test_one_writer_writes_plan_after_plan_each_as_if_alone():
+    """The planner's writer converts its graph once and takes each plan out again after writing it."""
+    from graph_passes.planning.recompute.graph_pass import RecomputeWriter
+
+    model = _model(STEP)
+    first, second = RecomputePlan(RECOMPUTE.segments[:1]), RecomputePlan(RECOMPUTE.segments[1:])
+    writer = RecomputeWriter(model, loss_name="loss")
+    written = [writer.write(plan) for plan in (RECOMPUTE, first, second, RecomputePlan(()), RECOMPUTE)]
+    for (got, clones), plan in zip(written, (RECOMPUTE, first, second, RecomputePlan(()), RECOMPUTE)):
+        pass_ = RecomputePass(plan, loss_name="loss")
+        alone = ir.to_proto(pass_(ir.from_proto(model)).model)
+        assert got.SerializeToString() == alone.SerializeToString() and clones == pass_.clones
+    assert [c for _, c in written] == [3, 2, 2, 0, 3]
+    assert ir.to_proto(writer.model).SerializeToString() == ir.to_proto(ir.from_proto(model)).SerializeToString()
+
+
 def _run(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
 
