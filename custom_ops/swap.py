@@ -35,10 +35,11 @@ gives them their meaning (the copies and the release) by registering its own han
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 import onnx
 import onnx.helper as oh
+import onnx_ir as ir
 
 from custom_ops.registry import DOMAIN, OPSET_VERSION, OpDefinition, OpRegistry, default_registry
 
@@ -108,6 +109,11 @@ def _provenance(node: onnx.NodeProto, provenance: str, reason: str) -> onnx.Node
     return node
 
 
+def swap_node_name(op_type: str, out_name: str) -> str:
+    """The default name of a swap node: unique as long as value names are."""
+    return f"{DOMAIN}.{op_type}.{out_name}"
+
+
 def make_swap_out(
     value_name: str,
     *,
@@ -123,7 +129,7 @@ def make_swap_out(
     to one derived from ``out_name``, unique as long as value names are.
     """
     node = oh.make_node(
-        SWAP_OUT, [value_name], [out_name], name=node_name or f"{DOMAIN}.{SWAP_OUT}.{out_name}", domain=DOMAIN
+        SWAP_OUT, [value_name], [out_name], name=node_name or swap_node_name(SWAP_OUT, out_name), domain=DOMAIN
     )
     return _provenance(node, provenance, reason or f"device->host copy and release of {value_name}")
 
@@ -146,7 +152,7 @@ def make_swap_in(
         raise ValueError("SwapIn needs an ordering token: 'after' names a tensor the copy waits for")
     node = oh.make_node(
         SWAP_IN, [host_name, after], [out_name],
-        name=node_name or f"{DOMAIN}.{SWAP_IN}.{out_name}", domain=DOMAIN,
+        name=node_name or swap_node_name(SWAP_IN, out_name), domain=DOMAIN,
     )
     return _provenance(node, provenance, reason or f"host->device copy of {host_name} after {after}")
 
@@ -167,13 +173,6 @@ def _used_op_types(model: onnx.ModelProto) -> set[str]:
     for function in model.functions:
         nodes.extend(function.node)
     return {node.op_type for node in nodes if node.domain == DOMAIN}
-
-
-def _default_onnx_version(model: onnx.ModelProto) -> int | None:
-    for opset in model.opset_import:
-        if opset.domain in _ONNX_DOMAINS:
-            return opset.version
-    return None
 
 
 def _adapted_body(function: onnx.FunctionProto, onnx_version: int | None) -> onnx.FunctionProto:
@@ -201,38 +200,67 @@ def attach_functions(model: onnx.ModelProto, *, registry: OpRegistry = default_r
     another version of the domain, a different body already attached, or an IR version without
     local functions.
     """
+    imported = {opset.domain: opset.version for opset in model.opset_import}
+    existing = {(f.domain, f.name, f.overload): f for f in model.functions}
     used = _used_op_types(model)
+    bodies = _bodies_to_attach(used, model.ir_version, imported, existing, registry)
+    if used and DOMAIN not in imported:
+        model.opset_import.append(oh.make_opsetid(DOMAIN, OPSET_VERSION))
+    model.functions.extend(bodies)
+
+
+def attach_functions_ir(model: ir.Model, *, registry: OpRegistry = default_registry) -> None:
+    """:func:`attach_functions` for an ``onnx_ir`` model (the passes' form): the same checks,
+    the same import and bodies."""
+    graph_nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    used = {n.op_type for n in _chain(graph_nodes, *model.functions.values()) if n.domain == DOMAIN}
+    existing = {key: ir.serde.serialize_function(f) for key, f in model.functions.items()
+                if key[0] == DOMAIN and key[1] in used}
+    bodies = _bodies_to_attach(used, model.ir_version, model.opset_imports, existing, registry)
+    if used and DOMAIN not in model.opset_imports:
+        model.opset_imports[DOMAIN] = OPSET_VERSION
+    for body in bodies:
+        function = ir.serde.deserialize_function(body)
+        model.functions[function.identifier()] = function
+
+
+def _chain(*groups: Iterable) -> Iterator:
+    for group in groups:
+        yield from group
+
+
+def _bodies_to_attach(used: set[str], ir_version: int, imported: Mapping[str, int],
+                      existing: Mapping[tuple[str, str, str], onnx.FunctionProto],
+                      registry: OpRegistry) -> list[onnx.FunctionProto]:
+    """The bodies :func:`attach_functions` adds (in registration order), after its checks."""
     if not used:
-        return
+        return []
     unknown = sorted(name for name in used if name not in registry)
     if unknown:
         raise ValueError(
             f"model uses {DOMAIN} ops with no registered definition: {', '.join(unknown)}; "
             "import the module that registers them"
         )
-    if model.ir_version < MIN_IR_VERSION_FOR_FUNCTIONS:
+    if ir_version < MIN_IR_VERSION_FOR_FUNCTIONS:
         raise ValueError(
-            f"model IR version {model.ir_version} has no local functions; "
+            f"model IR version {ir_version} has no local functions; "
             f"set ir_version ≥ {MIN_IR_VERSION_FOR_FUNCTIONS} before attaching {DOMAIN} bodies"
         )
-    imported = {opset.domain: opset.version for opset in model.opset_import}
     if DOMAIN in imported and imported[DOMAIN] != OPSET_VERSION:
         raise ValueError(
             f"model imports {DOMAIN} version {imported[DOMAIN]}, this op set is version {OPSET_VERSION}"
         )
-    if DOMAIN not in imported:
-        model.opset_import.append(oh.make_opsetid(DOMAIN, OPSET_VERSION))
-
-    onnx_version = _default_onnx_version(model)
-    existing = {(f.domain, f.name, f.overload): f for f in model.functions}
+    onnx_version = next((v for d, v in imported.items() if d in _ONNX_DOMAINS), None)
+    bodies = []
     for name in registry.names():  # registration order: deterministic
         if name not in used:
             continue
         body = _adapted_body(registry.get(name).function, onnx_version)
         present = existing.get((body.domain, body.name, body.overload))
         if present is None:
-            model.functions.append(body)
+            bodies.append(body)
         elif present.SerializeToString(deterministic=True) != body.SerializeToString(deterministic=True):
             raise ValueError(
                 f"model already has a different body for {DOMAIN}::{name}; remove it before attaching"
             )
+    return bodies

@@ -12,16 +12,12 @@ import collections
 import dataclasses
 from typing import Any, Mapping
 
-import onnx
-import onnx_ir as ir
-
 from custom_ops.registry import DOMAIN
 from graph_passes.ir.shapes import check_inputs
 from graph_passes.planning.recompute.graph_pass import PASS_KEY as PROVENANCE_KEY
 from graph_passes.planning.recompute.graph_pass import PASS_NAME as RECOMPUTE_PASS
-from graph_passes.planning.swap.graph_pass import SwapPass
+from graph_passes.planning.apply import apply_plan
 from graph_passes.planning.swap.nodes import canonicalize, has_swap_nodes
-from graph_passes.planning.swap.planner import placed_plan
 from graph_passes.ir.program import SwapOut
 from graph_passes.ir.training_graph import Role, TrainingGraph, role_counts
 from ort_offload.budget import format_bytes
@@ -85,14 +81,10 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
     planned = plan_graph(graph, device, shapes, passes)
     plan, budget = planned.plan, planned.budget_bytes
     choice = plan.choice
-    model = plan.model  # with recompute's clones
-    swaps = []
-    if choice.swap_plan is not None:
-        # The swaps where the runtime runs them (early swap-outs, hoisted swap-ins).
-        placed = placed_plan(choice.swap_plan, choice.program)
-        result = SwapPass(choice.base, placed, plan.infos, budget=budget)(ir.from_proto(model))
-        model = ir.to_proto(result.model)
-        swaps = _swap_rows(graph, plan, placed)
+    # The plan's rewrites (recompute's clones) and swaps in one pass manager run.
+    applied = apply_plan(planned.planner.target.model, plan, budget=budget)
+    model = applied.model
+    swaps = [] if applied.swap_plan is None else _swap_rows(graph, plan, applied.swap_plan)
     roles = dict(graph.roles)
     for node in model.graph.node:
         if any(p.key == PROVENANCE_KEY and p.value == RECOMPUTE_PASS for p in node.metadata_props):
@@ -102,7 +94,6 @@ def transform(graph: TrainingGraph, device: OffloadDevice, shapes: Mapping[str, 
             source = node.input[0]
             for out in node.output:
                 roles.setdefault(out, roles.get(source.split("__")[0], Role.ACTIVATION))
-    model = _copy(model)  # (the planner's own graph where nothing was rewritten)
     record_basis(model, planned.basis)  # run/transform of the output resolve fractions against it
     rewritten = TrainingGraph(model, roles, dict(graph.state_pairs), name=graph.name)
     profile = planned.planner.target.profile()
@@ -137,12 +128,6 @@ def _without_swaps(graph: TrainingGraph) -> TrainingGraph:
     names = {v for n in model.graph.node for v in (*n.input, *n.output)} | {v.name for v in model.graph.input}
     roles = {n: r for n, r in graph.roles.items() if n in names}
     return TrainingGraph(model, roles, dict(graph.state_pairs), name=graph.name)
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    return copy
 
 
 def _swap_rows(graph: TrainingGraph, plan: StepPlan, placed) -> list[dict]:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Mapping
 
 import onnx
+import onnx_ir.passes
 
 from graph_passes.ir.memory import MemoryTrace
 from graph_passes.ir.program import Program
@@ -35,7 +36,8 @@ class ProgramChoice:
 class RewriteOutcome:
     """A pass's rewrite of the graph and what was planned on it: the rewritten ``model`` and its
     ``infos``, the lowerings tried (a swap plan may start from them), the ``choice`` if one fits,
-    the nodes the rewrite added, and the least budget seen."""
+    the nodes the rewrite added, the least budget seen, and the ``rewrites``: the passes that
+    turn the target's graph into ``model`` (none where it is the target's own)."""
 
     model: onnx.ModelProto
     infos: Mapping[str, TensorInfo]
@@ -43,6 +45,7 @@ class RewriteOutcome:
     added_nodes: int
     needed_bytes: int
     programs: tuple[Program, ...] = ()
+    rewrites: tuple[onnx_ir.passes.PassBase, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Mapping
 
 import onnx
+import onnx_ir.passes
 
 from graph_passes.cost.cost_model import AnalyticalCostModel
 from graph_passes.formatting import format_bytes
@@ -33,8 +34,10 @@ from graph_passes.planning.partition import refine_blocks
 from graph_passes.planning.recompute.signatures import RecomputePlanning
 from graph_passes.planning.schedule import training_spine, updates_early
 from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
+from graph_passes.planning.split.graph_pass import Cut, SplitPass
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import blocks_over, required_bytes
+from graph_passes.planning.recompute.graph_pass import RecomputePass
 from graph_passes.planning.recompute.tensors import TensorRecompute
 from graph_passes.planning.swap.ga import Variant
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
@@ -54,6 +57,7 @@ class StepPlan:
     recomputed_nodes: int = 0  # clone nodes the recompute pass added
     split_nodes: int = 0  # nodes the split pass added
     split_plan: object = None  # graph_passes.planning.split.planner.JointPlan
+    rewrites: tuple[onnx_ir.passes.PassBase, ...] = ()  # the passes that turn the target's graph into ``model``
 
 
 @dataclasses.dataclass
@@ -264,11 +268,13 @@ class StepPlanner:
         split_nodes = split_node_count(model)
         programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
         choice, recomputed = None, 0
+        split_rewrites = (SplitPass(result.split, infos, cut=Cut.SPLIT),)
         if "swap" in target.passes:
             found = self.plan_swaps(programs, split_infos, budget, model)
             choice = found.choice
             if found.variant is not None:  # the GA recomputed tensors of the split graph
                 model, split_infos, recomputed = found.variant.model, found.variant.infos, found.variant.added_nodes
+                split_rewrites += (found.variant.rewrite,)
         else:
             traced = ((program, self.layouts.trace(program, split_infos)) for program in programs)
             choice = next((ProgramChoice(p, t) for p, t in traced if t.min_budget_bytes <= budget), None)
@@ -278,7 +284,7 @@ class StepPlanner:
         logger.info("split plan for %s: %d ops split, %d nodes added", target.graph.name, len(result.choices),
                     split_nodes)
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model, recomputed_nodes=recomputed,
-                        split_nodes=split_nodes, split_plan=result)
+                        split_nodes=split_nodes, split_plan=result, rewrites=split_rewrites)
 
     def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome:
         """A strategy's chosen candidate (simulated at ``seconds``): its swap plan searched further
@@ -295,7 +301,8 @@ class StepPlanner:
         variant = refined.variant
         return dataclasses.replace(outcome, model=variant.model, infos=variant.infos,
                                    choice=refined.choice.with_passes(_with_recompute(refined.choice.passes)),
-                                   added_nodes=outcome.added_nodes + variant.added_nodes)
+                                   added_nodes=outcome.added_nodes + variant.added_nodes,
+                                   rewrites=(*outcome.rewrites, variant.rewrite))
 
     def _recompute_genes(self, model: onnx.ModelProto, infos, budget: int) -> dict:
         """The GA's per-tensor recompute genes on ``model`` (:mod:`graph_passes.planning.recompute.tensors`)
@@ -313,6 +320,7 @@ class StepPlanner:
         def variant(chosen: frozenset[str]) -> Variant:
             rewrite = tensors.rewrite(chosen)
             return Variant(rewrite.model, rewrite.infos, rewrite.clones,
+                           rewrite=RecomputePass(rewrite.plan, loss_name=self.target.graph.loss_name),
                            lower=lambda schedule, cuts: layouts.lower_with_cuts(
                                rewrite.model, rewrite.infos, *rewrite.schedule(schedule, cuts)),
                            evaluate=lambda p: layouts.simulated_time(p, rewrite.infos, rewrite.model, budget))
@@ -409,7 +417,8 @@ def _with_recompute(passes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _step_plan(outcome: RewriteOutcome) -> StepPlan:
-    return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes)
+    return StepPlan(outcome.infos, outcome.choice, outcome.model, recomputed_nodes=outcome.added_nodes,
+                    rewrites=outcome.rewrites)
 
 
 def replayed_need(plan: StepPlan, budget: int, alignment: int) -> int | None:

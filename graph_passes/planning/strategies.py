@@ -147,7 +147,8 @@ def _swap(planner: Planner, request: Request) -> Proposal:
     found = planner.plan_swaps(request.programs, request.infos, request.budget, model)
     if found.variant is not None:  # not without recompute allowed, which picks another strategy
         model, infos, added = found.variant.model, found.variant.infos, found.variant.added_nodes
-    return Proposal(RewriteOutcome(model, infos, found.choice, added, found.needed_bytes))
+    rewrites = () if found.variant is None else (found.variant.rewrite,)
+    return Proposal(RewriteOutcome(model, infos, found.choice, added, found.needed_bytes, rewrites=rewrites))
 
 
 def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
@@ -185,7 +186,8 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
             m_model, m_schedule, m_clones = planner.recompute.rewrite(cheap, segments)
             m_infos = recomputed_infos(infos, m_model)
             with_swaps(f"recompute {len(cheap)} cheaper segments, swap the rest",
-                       RewriteOutcome(m_model, m_infos, None, m_clones, least),
+                       RewriteOutcome(m_model, m_infos, None, m_clones, least,
+                                      rewrites=(planner.recompute.recompute_pass(cheap, segments),)),
                        layouts.lowerings(m_model, m_infos, m_schedule))
     weighed = tuple((label, seconds) for label, seconds, _ in candidates)
     if not candidates:

@@ -161,3 +161,25 @@ def test_attach_functions_rejects_unknown_ops_and_other_versions():
     model.opset_import.append(oh.make_opsetid(DOMAIN, OPSET_VERSION + 1))
     with pytest.raises(ValueError, match="version"):
         attach_functions(model)
+
+
+def test_attach_functions_on_an_onnx_ir_model_attaches_what_it_attaches_on_a_proto():
+    import onnx_ir as ir
+
+    from custom_ops.swap import attach_functions_ir
+
+    for opset in (18, 20):
+        unattached = swapped_model(opset)
+        del unattached.functions[:]
+        del unattached.opset_import[1:]
+        model = ir.from_proto(unattached)
+        attach_functions_ir(model)
+        attach_functions_ir(model)  # idempotent
+        attached = ir.to_proto(model)
+        expected = swapped_model(opset)
+        assert [(o.domain, o.version) for o in attached.opset_import] == [(o.domain, o.version) for o in expected.opset_import]
+        assert [f.SerializeToString() for f in attached.functions] == [f.SerializeToString() for f in expected.functions]
+    old = ir.from_proto(swapped_model())
+    old.ir_version = 7
+    with pytest.raises(ValueError, match="no local functions"):
+        attach_functions_ir(old)

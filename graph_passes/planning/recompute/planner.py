@@ -29,7 +29,7 @@ frozen :class:`RecomputePlan`; :mod:`graph_passes.planning.recompute.graph_pass`
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx
 
@@ -144,11 +144,13 @@ def forward_segments(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], *,
     return [Segment(k, members, saved, sum(nbytes(n) for n in saved)) for k, (members, saved) in enumerate(merged)]
 
 
-def segment_closure(name: str, produced_here: Mapping[str, int], nodes, *, stop=frozenset()) -> tuple[set[int], set[str]]:
+def segment_closure(name: str, produced_here: Mapping[str, int], nodes, *, stop=frozenset(),
+                    reads: Callable[[Any], list[str]] = consumed_names) -> tuple[set[int], set[str]]:
     """(node indices, values it stopped at): the nodes ``produced_here`` (a segment's values
     -> their producers) that ``name`` depends on, walking back until a value the segment does
     not produce, a random op's output (kept, so a recomputation replays the same mask) or a
-    value in ``stop``."""
+    value in ``stop``. ``reads``: the value names a node reads (``nodes`` are protos by
+    default; the recompute pass gives its ``onnx_ir`` nodes' reader)."""
     members: set[int] = set()
     stopped: set[str] = set()
     stack = [produced_here[name]]
@@ -157,7 +159,7 @@ def segment_closure(name: str, produced_here: Mapping[str, int], nodes, *, stop=
         if index in members:
             continue
         members.add(index)
-        for value in consumed_names(nodes[index]):
+        for value in reads(nodes[index]):
             source = produced_here.get(value)
             if source is None or nodes[source].op_type in RANDOM_OPS:
                 continue

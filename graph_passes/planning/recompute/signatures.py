@@ -56,7 +56,7 @@ from graph_passes.formatting import format_bytes
 from graph_passes.planning.recompute.mimose import CACHE_GRANULARITY, FIT_SIZES, LayerMemoryEstimator, PlanCache, input_size, plan_from_estimates
 from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.planning.recompute.planner import NoRecomputePlan, RecomputePlan, RecomputePlanner, Segment, forward_segments
-from graph_passes.planning.recompute.graph_pass import clone_sources, recomputed_infos, write_recompute_plan
+from graph_passes.planning.recompute.graph_pass import RecomputePass, RecomputeWriter, clone_sources, recomputed_infos
 from graph_passes.planning.recompute.selective import selective_units
 from graph_passes.planning.blocks import BlockLayouts
 from graph_passes.planning.choice import ProgramChoice, RewriteOutcome
@@ -115,6 +115,7 @@ class RecomputePlanning:
         self._unit_layout: list[tuple[tuple[int, ...], tuple[str, ...], int]] | None = None  # ... and segment
         self._rewritten: dict[tuple[int, ...], tuple] = {}  # segment indices -> (model, schedule, clones)
         self._clone_sources: dict[tuple[int, ...], dict[str, str]] = {}  # ... -> clone output -> original
+        self._writer: RecomputeWriter | None = None  # writes the rewritten graphs (the target's, in onnx_ir)
         self._credits: list[float] = []  # per plan made: least-budget reduction / saved bytes recomputed
         self._layouts: dict[tuple[int, ...], set[tuple[int, ...]]] = {}  # segment set -> block layouts used
         self._made: dict[int, CachedPlan] = {}  # input size -> the plan made there
@@ -128,7 +129,7 @@ class RecomputePlanning:
         signature at many budgets, each as a new run would)."""
         other = RecomputePlanning(self.layouts, policy=self.policy, fit_sizes=self.fit_sizes, selective=self.selective)
         other._layout, other._unit_layout = self._layout, self._unit_layout
-        other._rewritten, other._clone_sources = self._rewritten, self._clone_sources
+        other._rewritten, other._clone_sources, other._writer = self._rewritten, self._clone_sources, self._writer
         if other._layout is not None:
             other.estimator = LayerMemoryEstimator(len(other._layout), fit_sizes=other.fit_sizes)
         return other
@@ -172,12 +173,18 @@ class RecomputePlanning:
         whole = {s.index for s in plan.segments}
         return tuple(sorted(s.index for s in plan.segments if s.within not in whole))
 
+    def recompute_pass(self, key: tuple[int, ...], segments: list[Segment]) -> RecomputePass:
+        """The pass that writes these segments (and units) into the target's graph (``key`` as
+        :meth:`key_of` gives it): what :meth:`rewrite` applies, and what a plan carries."""
+        return RecomputePass(RecomputePlan(tuple(segments[k] for k in key)), loss_name=self.layouts.target.graph.loss_name)
+
     def rewrite(self, key: tuple[int, ...], segments: list[Segment]):
         """(model, schedule, clone count) of the graph with these segments (and units)
         recomputed (``key`` as :meth:`key_of` gives it)."""
         if key not in self._rewritten:
-            plan = RecomputePlan(tuple(segments[k] for k in key))
-            model, clones = write_recompute_plan(self.layouts.target.model, plan, loss_name=self.layouts.target.graph.loss_name)
+            if self._writer is None:
+                self._writer = RecomputeWriter(self.layouts.target.model, loss_name=self.layouts.target.graph.loss_name)
+            model, clones = self._writer.write(self.recompute_pass(key, segments).plan)
             self._rewritten[key] = (model, order_dependent_last(model, self.layouts.node_io_of(model)), clones)
             self._clone_sources[key] = clone_sources(model)
         return self._rewritten[key]
@@ -208,7 +215,7 @@ class RecomputePlanning:
             return None
         self.stats.reuses += 1
         return RewriteOutcome(model, model_infos, ProgramChoice(program, trace, ("recompute",)), clones,
-                              trace.min_budget_bytes, (program,))
+                              trace.min_budget_bytes, (program,), (self.recompute_pass(cached.segments, segments),))
 
     def _largest_blocks_known_exceeded(self, dims: tuple[int, ...], budget: int) -> bool:
         """Whether every segment recomputed did not fit the largest blocks at data input
@@ -339,7 +346,7 @@ class RecomputePlanning:
             key = self.key_of(result)
             model, _, clones = self.rewrite(key, at.segments)
             return RewriteOutcome(model, at.model_infos(key), None, clones, min(needed, at.need(True)(result)),
-                                  tuple(candidates))
+                                  tuple(candidates), (self.recompute_pass(key, at.segments),))
         return best[2:]
 
     def _settle(self, at: "_SizePlanning", key, program: Program, trace) -> RewriteOutcome:
@@ -360,7 +367,7 @@ class RecomputePlanning:
                     "%d blocks", self.layouts.target.graph.name, at.size, len([k for k in key if k < layers]), layers,
                     len([k for k in key if k >= layers]), clones, len(program.blocks))
         return RewriteOutcome(model, at.model_infos(key), ProgramChoice(program, trace, ("recompute",)), clones,
-                              trace.min_budget_bytes, (program,))
+                              trace.min_budget_bytes, (program,), (self.recompute_pass(key, at.segments),))
 
     def _cheaper_from_larger_size(self, size: int, segments, clones: int, blocks: int, model_infos, budget: int):
         """(key, cuts, program, trace) of the plan made at a larger input size with the fewest

@@ -45,6 +45,7 @@ class TensorRewrite:
     clones: int
     original_index: tuple[int, ...]  # per node of the graph given: its index in ``model``
     clone_reads: Mapping[int, tuple[int, ...]]  # node of ``model`` -> the clones it reads
+    plan: RecomputePlan  # what wrote ``model`` from the graph given
 
     def schedule(self, order: Sequence[int], cuts: Sequence[int]) -> tuple[list[int], list[int]]:
         """(schedule, cuts) of ``model`` from a schedule and block starts of the graph given:
@@ -137,7 +138,8 @@ class TensorRecompute:
             reads = sorted({made_by[n] for n in entry.reads if n in made_by})
             if reads:
                 clone_reads[i] = tuple(reads)
-        return TensorRewrite(model, recomputed_infos(self.infos, model), clones, original_index, clone_reads)
+        return TensorRewrite(model, recomputed_infos(self.infos, model), clones, original_index, clone_reads,
+                             RecomputePlan((segment,)))
 
 
 __all__ = ["TensorRecompute", "TensorRewrite"]

@@ -25,6 +25,9 @@ the others ``ort_offload.reason``.
 Piece bounds and per-micro-op shapes are constants: the rewritten graph is specialized to the
 input signature ``infos`` describe (plans are made per signature, as Mimose's are per input size).
 
+The pass edits an ``onnx_ir`` model in place (:func:`split_in_place`); :func:`write_split_plan`
+is the split planner's protobuf form of it.
+
 ``requires``: every run node has a split rule with the requested axis; ``p`` fits the split
 dimension; runs are disjoint and each later node of a run reads an earlier one's output only
 as micro-tensors (Concat axis of the producer = slice axis of the consumer). ``ensures``: the
@@ -35,23 +38,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import heapq
 import logging
 from typing import Mapping
 
 import numpy as np
 import onnx
-import onnx.helper
-import onnx.numpy_helper
 import onnx_ir as ir
 import onnx_ir.passes
 
-from graph_passes.ir.liveness import check_topological, consumed_names
+from graph_passes.ir.editing import (
+    available_values, carries, check_topological, copy_attribute, copy_node, output_names, read_names, set_order,
+    stable_topological, take_over,
+)
 from graph_passes.ir.provenance import PASS_KEY, REASON_KEY, SPLIT_PASS, SPLIT_SOURCE_KEY
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.rules import (
     CHAIN, CONCAT, SUM, Carry, Merge, MicroShape, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole,
-    chunk_sizes, constant_values, find_option,
+    chunk_sizes, find_option,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,11 +109,10 @@ class _Resolved:
     sizes: tuple[int, ...]
 
 
-def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, TensorInfo]) -> tuple[_Resolved, ...]:
+def resolve_plan(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorInfo]) -> tuple[_Resolved, ...]:
     """Each run with its nodes' split options; raises :class:`UnsplittableOpError` when the
     plan does not fit the graph (see the module docstring)."""
-    nodes = list(model.graph.node)
-    constants = constant_values(model)
+    nodes = list(graph)
     seen: set[int] = set()
     resolved = []
     for run in plan.runs:
@@ -120,19 +122,19 @@ def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, Te
         if any(not 0 <= i < len(nodes) for i in run.nodes):
             raise UnsplittableOpError(f"split run names nodes {run.nodes} outside the graph")
         options = []
-        run_outputs = {o for i in run.nodes for o in nodes[i].output if o}
+        run_outputs = {o for i in run.nodes for o in output_names(nodes[i])}
         produced: dict[str, Merge] = {}  # run output -> how it merges
         extent = None
         for position, (index, key) in enumerate(zip(run.nodes, run.axes)):
             node = nodes[index]
-            option = find_option(NodeInfo.of(node, infos, constants), key)
+            option = find_option(NodeInfo.of_ir(node, infos), key)
             extent = option.extent if extent is None else extent
             if option.extent != extent:
                 raise UnsplittableOpError(
                     f"run node {_label(node, index)} splits a dimension of {option.extent}, the run's first {extent}")
             _check_extents(node, index, option, infos)
             chained = False
-            for name, part in zip(node.input, option.inputs):
+            for name, part in zip(_names(node.inputs), option.inputs):
                 if name in run_outputs and name not in produced:
                     raise UnsplittableOpError(
                         f"run node {_label(node, index)} reads {name!r} of a later run node: list a run producer first")
@@ -145,7 +147,7 @@ def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, Te
                     chained = True
             if position and not chained:
                 raise UnsplittableOpError(f"run node {_label(node, index)} reads no micro-tensor of the run before it")
-            for name, merge in zip(node.output, option.outputs):
+            for name, merge in zip(_names(node.outputs), option.outputs):
                 if name:
                     produced[name] = merge
             options.append(option)
@@ -153,14 +155,19 @@ def resolve_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, Te
     return tuple(resolved)
 
 
-def _label(node: onnx.NodeProto, index: int) -> str:
+def _names(values) -> list[str]:
+    """Value names as a proto node lists them ('' for an absent input)."""
+    return [v.name if v is not None else "" for v in values]
+
+
+def _label(node: ir.Node, index: int) -> str:
     return f"#{index} ({node.op_type} {node.name!r})"
 
 
-def _check_extents(node: onnx.NodeProto, index: int, option: SplitOption, infos: Mapping[str, TensorInfo]) -> None:
+def _check_extents(node: ir.Node, index: int, option: SplitOption, infos: Mapping[str, TensorInfo]) -> None:
     """Every sliced input and concatenated output has the split extent on its axis."""
-    pairs = [(n, p.axis) for n, p in zip(node.input, option.inputs) if isinstance(p, SliceOn)]
-    pairs += [(n, m.axis) for n, m in zip(node.output, option.outputs) if n and m.kind == CONCAT]
+    pairs = [(n, p.axis) for n, p in zip(_names(node.inputs), option.inputs) if isinstance(p, SliceOn)]
+    pairs += [(n, m.axis) for n, m in zip(_names(node.outputs), option.outputs) if n and m.kind == CONCAT]
     for name, axis in pairs:
         if infos[name].shape[axis] != option.extent:
             raise UnsplittableOpError(
@@ -169,92 +176,127 @@ def _check_extents(node: onnx.NodeProto, index: int, option: SplitOption, infos:
 
 def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, TensorInfo], *,
                      cut: Cut = DEFAULT_CUT) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``model`` with the plan applied; returns it and the number of micro-ops."""
-    resolved = resolve_plan(model, plan, infos)
-    nodes = list(model.graph.node)
-    graph_outputs = {o.name for o in model.graph.output}
+    """A copy of ``model`` with the plan applied; returns it and the number of micro-ops. For
+    the split planner, which infers shapes and lowers protos: one conversion each way around
+    :func:`split_in_place`."""
+    rewritten = ir.from_proto(model)
+    micro_ops = split_in_place(rewritten.graph, plan, infos, cut=cut)
+    return ir.to_proto(rewritten), micro_ops
+
+
+def split_in_place(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorInfo], *,
+                   cut: Cut = DEFAULT_CUT) -> int:
+    """Replace the plan's runs in ``graph`` by their micro-ops and merges; returns the number of
+    micro-ops. Raises :class:`UnsplittableOpError` where the plan does not fit the graph."""
+    resolved = resolve_plan(graph, plan, infos)
+    nodes = list(graph)
+    graph_outputs = {v.name for v in graph.outputs}
     readers: dict[str, set[int]] = {}
     for index, node in enumerate(nodes):
-        for name in consumed_names(node):
+        for name in read_names(node):
             readers.setdefault(name, set()).add(index)
-    replaced: dict[int, list[onnx.NodeProto]] = {}  # last run node -> the run's new nodes
+    replaced: dict[int, list[ir.Node]] = {}  # last run node -> the run's new nodes
     removed: set[int] = set()
+    merged: dict[str, ir.Value] = {}  # run output read after the run -> the new value of its name
     micro_ops = 0
     for number, item in enumerate(resolved):
         group = _GroupWriter(number, item, nodes, infos, graph_outputs, readers, cut=cut)
         replaced[item.run.nodes[-1]] = group.write()
+        merged.update(group.merged)
         removed.update(item.run.nodes)
         micro_ops += item.run.parts * len(item.run.nodes)
-    new_nodes: list[onnx.NodeProto] = []
+    new_nodes: list[ir.Node] = []
     for index, node in enumerate(nodes):
         if index in replaced:
             new_nodes.extend(replaced[index])
         elif index not in removed:
             new_nodes.append(node)
-    available = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
-    new_nodes = _stable_topological(new_nodes, available)
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    del result.graph.node[:]
-    result.graph.node.extend(new_nodes)
-    check_topological(list(result.graph.node), available)
+    order = stable_topological(new_nodes, available_values(graph))
+    if order is None:
+        raise UnsplittableOpError("the split left a cycle in the graph")
+    _replace_runs(graph, [nodes[i] for i in sorted(removed)], merged)
+    set_order(graph, order)
+    check_topological(graph)
     logger.info("split %d nodes into %d micro-ops", plan.split_nodes, micro_ops)
-    return result, micro_ops
+    return micro_ops
+
+
+def _replace_runs(graph: ir.Graph, run_nodes: list[ir.Node], merged: Mapping[str, ir.Value]) -> None:
+    """Drop the run nodes; the merges take over their outputs' readers, graph-output places and
+    types (raises ValueError where another output of theirs is still read)."""
+    for node in run_nodes:
+        for k in range(len(node.inputs)):
+            node.replace_input_with(k, None)
+    for node in run_nodes:
+        for value in node.outputs:
+            if value.name in merged:
+                take_over(value, merged[value.name])
+    graph.remove(run_nodes, safe=True)
 
 
 class _GroupWriter:
     """The nodes replacing one run."""
 
-    def __init__(self, number, item: _Resolved, nodes, infos, graph_outputs, readers, *, cut: Cut) -> None:
+    def __init__(self, number, item: _Resolved, nodes: list[ir.Node], infos, graph_outputs, readers, *,
+                 cut: Cut) -> None:
         self.tag = f"__sp{number}"
         self.item = item
         self.nodes = nodes
         self.infos = infos
         self.graph_outputs = graph_outputs
         self.readers = readers
-        self.out: list[onnx.NodeProto] = []
+        self.out: list[ir.Node] = []
         self.cut = cut
-        self.pieces: dict[tuple[str, int], dict[int, str]] = {}  # (value, axis) -> piece names
+        self.pieces: dict[tuple[str, int], dict[int, ir.Value]] = {}  # (value, axis) -> pieces
         self.constants: dict[tuple, object] = {}
-        self.sizes_name = None
+        self.sizes = None  # the Split's sizes input, once made
+        self.merged: dict[str, ir.Value] = {}  # run output -> the new value taking its name
 
-    def _add(self, node: onnx.NodeProto, reason: str) -> None:
-        node.metadata_props.add(key=PASS_KEY, value=PASS_NAME)
-        node.metadata_props.add(key=REASON_KEY, value=reason)
+    def _add(self, node: ir.Node, reason: str) -> ir.Node:
+        node.metadata_props[PASS_KEY] = PASS_NAME
+        node.metadata_props[REASON_KEY] = reason
         self.out.append(node)
+        return node
 
-    def _constant(self, name: str, array: np.ndarray, reason: str) -> str:
-        self._add(onnx.helper.make_node("Constant", [], [name], name=name,
-                                        value=onnx.numpy_helper.from_array(array, name)), reason)
-        return name
+    def _node(self, op_type: str, inputs, outputs: list[str], name: str, reason: str, **attributes) -> list[ir.Value]:
+        """A new standard-op node (its outputs named ``outputs``); returns its output values."""
+        values = [ir.Value(name=n) for n in outputs]
+        attrs = [ir.convenience.convert_attribute(k, v) for k, v in sorted(attributes.items())]
+        self._add(ir.Node("", op_type, inputs, attrs, outputs=values, name=name), reason)
+        return values
 
-    def _piece(self, name: str, axis: int, i: int) -> str:
+    def _constant(self, name: str, array: np.ndarray, reason: str) -> ir.Value:
+        value = ir.Value(name=name)
+        attr = ir.Attr("value", ir.AttributeType.TENSOR, ir.tensor(array, name=name))
+        self._add(ir.Node("", "Constant", [], [attr], outputs=[value], name=name), reason)
+        return value
+
+    def _piece(self, value: ir.Value, axis: int, i: int) -> ir.Value:
         """Piece ``i`` of an input read from outside the run, cut on first request."""
-        key = (name, axis)
-        pieces = self.pieces.setdefault(key, {})
+        name = value.name
+        pieces = self.pieces.setdefault((name, axis), {})
         if i in pieces:
             return pieces[i]
         parts, sizes = self.item.run.parts, self.item.sizes
         if self.cut is Cut.SPLIT:
-            if self.sizes_name is None:
-                self.sizes_name = self._constant(f"split_sizes{self.tag}", np.asarray(sizes, np.int64),
-                                                 "piece sizes of the split")
+            if self.sizes is None:
+                self.sizes = self._constant(f"split_sizes{self.tag}", np.asarray(sizes, np.int64),
+                                            "piece sizes of the split")
             names = [f"{name}{self.tag}_a{axis}_{k}" for k in range(parts)]
-            self._add(onnx.helper.make_node("Split", [name, self.sizes_name], names, name=f"{name}{self.tag}_split",
-                                            axis=axis), f"cut {name} into {parts} pieces on axis {axis}")
-            pieces.update(enumerate(names))
+            pieces.update(enumerate(self._node("Split", [value, self.sizes], names, f"{name}{self.tag}_split",
+                                               f"cut {name} into {parts} pieces on axis {axis}", axis=axis)))
             return pieces[i]
-        bounds = self._bounds(i)
+        start, end = self._bounds(i)
         if (axis, "axes") not in self.constants:
             self.constants[(axis, "axes")] = self._constant(f"axis{self.tag}_a{axis}", np.asarray([axis], np.int64),
                                                             "axis of the split")
         axes = self.constants[(axis, "axes")]
-        pieces[i] = f"{name}{self.tag}_a{axis}_{i}"
-        self._add(onnx.helper.make_node("Slice", [name, *bounds, axes], [pieces[i]], name=f"{pieces[i]}_slice"),
-                  f"piece {i} of {parts} of {name} on axis {axis}")
+        piece = f"{name}{self.tag}_a{axis}_{i}"
+        pieces[i], = self._node("Slice", [value, start, end, axes], [piece], f"{piece}_slice",
+                                f"piece {i} of {parts} of {name} on axis {axis}")
         return pieces[i]
 
-    def _bounds(self, i: int) -> tuple[str, str]:
+    def _bounds(self, i: int) -> tuple[ir.Value, ir.Value]:
         """Constants holding the start and end of piece ``i`` (shared by every sliced input)."""
         if ("bounds", i) not in self.constants:
             start = sum(self.item.sizes[:i])
@@ -265,106 +307,83 @@ class _GroupWriter:
             )
         return self.constants[("bounds", i)]
 
-    def write(self) -> list[onnx.NodeProto]:
-        run, parts, sizes = self.item.run, self.item.run.parts, self.item.sizes
+    def write(self) -> list[ir.Node]:
+        run, parts = self.item.run, self.item.run.parts
         in_run = set(run.nodes)
-        micro: dict[tuple[int, str], list[str]] = {}  # (run position, output) -> micro-outputs
-        accumulators: dict[str, str] = {}
+        micro: dict[tuple[int, str], list[ir.Value]] = {}  # (run position, output) -> micro-outputs
+        accumulators: dict[str, ir.Value] = {}
         for i in range(parts):
             for position, (index, option) in enumerate(zip(run.nodes, self.item.options)):
                 source = self.nodes[index]
-                node = onnx.NodeProto()
-                node.CopyFrom(source)
-                node.name = f"{source.name or f'{source.op_type}{index}'}{self.tag}_{i}"
-                if option.op_type:
-                    node.op_type = option.op_type
-                for attr_name, value in option.attributes:
-                    kept = [a for a in node.attribute if a.name != attr_name]
-                    del node.attribute[:]
-                    node.attribute.extend(kept)
-                    node.attribute.append(onnx.helper.make_attribute(attr_name, value))
-                for k, (name, part) in enumerate(zip(source.input, option.inputs)):
-                    if not name or isinstance(part, Whole):
-                        continue
-                    if isinstance(part, SliceOn):
-                        produced = next((micro[(p, name)] for p in range(position) if (p, name) in micro), None)
-                        node.input[k] = produced[i] if produced else self._piece(name, part.axis, i)
-                    elif isinstance(part, MicroShape):
-                        shape = list(part.shape)
-                        shape[part.axis] = sizes[i]
-                        node.input[k] = self._constant(f"{name}{self.tag}_p{position}_{i}", np.asarray(shape, np.int64),
-                                                       f"shape of micro-op {i}")
-                    elif isinstance(part, Carry):
-                        if i:
-                            node.input[k] = micro[(position, source.output[part.output])][i - 1]
-                for k, (name, merge) in enumerate(zip(source.output, option.outputs)):
-                    if not name:
-                        continue
-                    micro_name = name if merge.kind == CHAIN and i == parts - 1 else f"{name}{self.tag}_{i}"
-                    node.output[k] = micro_name
-                    micro.setdefault((position, name), []).append(micro_name)
-                node.metadata_props.add(key=PASS_KEY, value=PASS_NAME)
-                node.metadata_props.add(key=SOURCE_KEY, value=source.name or f"#{index}")
-                self.out.append(node)
-                for name, merge in zip(source.output, option.outputs):
+                self.out.append(self._micro_op(index, position, option, i, micro))
+                for name, merge in zip(_names(source.outputs), option.outputs):
                     if name and merge.kind == SUM and i:
                         self._accumulate(name, merge, micro[(position, name)], i, accumulators)
         for position, (index, option) in enumerate(zip(run.nodes, self.item.options)):
-            for name, merge in zip(self.nodes[index].output, option.outputs):
+            for name, merge in zip(_names(self.nodes[index].outputs), option.outputs):
                 if name and merge.kind == CONCAT and self._needed_outside(name, in_run):
-                    self._add(onnx.helper.make_node("Concat", micro[(position, name)], [name],
-                                                    name=f"{name}{self.tag}_concat", axis=merge.axis),
-                              f"merge {parts} micro-tensors of {name} on axis {merge.axis}")
+                    self.merged[name], = self._node("Concat", micro[(position, name)], [name], f"{name}{self.tag}_concat",
+                                                    f"merge {parts} micro-tensors of {name} on axis {merge.axis}",
+                                                    axis=merge.axis)
         return self.out
 
-    def _accumulate(self, name: str, merge: Merge, micros: list[str], i: int, accumulators: dict[str, str]) -> None:
+    def _micro_op(self, index: int, position: int, option: SplitOption, i: int, micro) -> ir.Node:
+        """Micro-op ``i`` of run node ``index`` (its pieces and shape constants made first)."""
+        source, sizes, parts = self.nodes[index], self.item.sizes, self.item.run.parts
+        attributes = {name: copy_attribute(a) for name, a in source.attributes.items()}
+        for attr_name, value in option.attributes:
+            attributes.pop(attr_name, None)
+            attributes[attr_name] = ir.convenience.convert_attribute(attr_name, value)
+        inputs = list(source.inputs)
+        for k, (value, part) in enumerate(zip(source.inputs, option.inputs)):
+            if value is None or isinstance(part, Whole):
+                continue
+            name = value.name
+            if isinstance(part, SliceOn):
+                produced = next((micro[(p, name)] for p in range(position) if (p, name) in micro), None)
+                inputs[k] = produced[i] if produced else self._piece(value, part.axis, i)
+            elif isinstance(part, MicroShape):
+                shape = list(part.shape)
+                shape[part.axis] = sizes[i]
+                inputs[k] = self._constant(f"{name}{self.tag}_p{position}_{i}", np.asarray(shape, np.int64),
+                                           f"shape of micro-op {i}")
+            elif isinstance(part, Carry) and i:
+                inputs[k] = micro[(position, source.outputs[part.output].name)][i - 1]
+        outputs = [ir.Value(name=v.name) for v in source.outputs]  # (beyond the option's outputs: as they were)
+        for k, (value, merge) in enumerate(zip(source.outputs, option.outputs)):
+            if value.name:
+                micro_name = value.name if merge.kind == CHAIN and i == parts - 1 else f"{value.name}{self.tag}_{i}"
+                outputs[k] = ir.Value(name=micro_name)
+                micro.setdefault((position, value.name), []).append(outputs[k])
+                if micro_name == value.name:
+                    self.merged[value.name] = outputs[k]
+        node = copy_node(source, inputs=inputs, outputs=outputs, name=f"{source.name or f'{source.op_type}{index}'}{self.tag}_{i}",
+                         op_type=option.op_type, attributes=list(attributes.values()))
+        node.metadata_props[PASS_KEY] = PASS_NAME
+        node.metadata_props[SOURCE_KEY] = source.name or f"#{index}"
+        return node
+
+    def _accumulate(self, name: str, merge: Merge, micros: list[ir.Value], i: int,
+                    accumulators: dict[str, ir.Value]) -> None:
         """Add micro-output ``i`` to the running sum of ``name`` (micro-output 0 starts it)."""
         last = i == self.item.run.parts - 1
         previous = accumulators.get(name, micros[0])
         target = name if last and merge.scale is None else f"{name}{self.tag}_acc{i}"
-        self._add(onnx.helper.make_node("Add", [previous, micros[i]], [target], name=f"{target}_add"),
-                  f"sum the partial results of {name}")
-        accumulators[name] = target
+        accumulators[name], = self._node("Add", [previous, micros[i]], [target], f"{target}_add",
+                                         f"sum the partial results of {name}")
+        if target == name:
+            self.merged[name] = accumulators[name]
         if last and merge.scale is not None:
             dtype = self.infos[name].dtype
             scale = self._constant(f"{name}{self.tag}_scale", np.asarray(merge.scale, dtype), f"mean of {name}")
-            self._add(onnx.helper.make_node("Mul", [target, scale], [name], name=f"{name}{self.tag}_mean"),
-                      f"scale the sum of {name} to a mean")
+            self.merged[name], = self._node("Mul", [accumulators[name], scale], [name], f"{name}{self.tag}_mean",
+                                            f"scale the sum of {name} to a mean")
 
     def _needed_outside(self, name: str, in_run: set[int]) -> bool:
         return name in self.graph_outputs or bool(self.readers.get(name, set()) - in_run)
 
 
-def _stable_topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
-    """A topological order that keeps the given order wherever it is already valid."""
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    waiting = [0] * len(nodes)
-    dependents: dict[int, list[int]] = {}
-    for k, node in enumerate(nodes):
-        for name in set(consumed_names(node)):
-            if name in producer and name not in available and producer[name] != k:
-                waiting[k] += 1
-                dependents.setdefault(producer[name], []).append(k)
-    ready = [k for k in range(len(nodes)) if not waiting[k]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        k = heapq.heappop(ready)
-        order.append(nodes[k])
-        for d in dependents.get(k, ()):
-            waiting[d] -= 1
-            if not waiting[d]:
-                heapq.heappush(ready, d)
-    if len(order) != len(nodes):
-        raise UnsplittableOpError("the split left a cycle in the graph")
-    return order
-
-
-def _is_split_node(node: onnx.NodeProto) -> bool:
-    return any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props)
-
-
-class SplitPass(onnx_ir.passes.FunctionalPass):
+class SplitPass(onnx_ir.passes.InPlacePass):
     """Write ``plan`` (runs of this graph's nodes) into the graph; ``infos`` are the shapes."""
 
     def __init__(self, plan: SplitPlan, infos: Mapping[str, TensorInfo], *, cut: Cut = DEFAULT_CUT) -> None:
@@ -376,32 +395,31 @@ class SplitPass(onnx_ir.passes.FunctionalPass):
         self._originals: list[str] = []
 
     def requires(self, model: ir.Model) -> None:
-        proto = ir.to_proto(model)
         try:
-            resolve_plan(proto, self.plan, self.infos)
+            resolve_plan(model.graph, self.plan, self.infos)
         except UnsplittableOpError as e:
             raise onnx_ir.passes.PreconditionError(str(e)) from e
-        self._originals = [o for r in self.plan.runs for i in r.nodes for o in proto.graph.node[i].output if o]
+        nodes = list(model.graph)
+        self._originals = [o for r in self.plan.runs for i in r.nodes for o in output_names(nodes[i])]
 
     def call(self, model: ir.Model) -> onnx_ir.passes.PassResult:
-        proto, self.micro_ops = write_split_plan(ir.to_proto(model), self.plan, self.infos, cut=self.cut)
-        return onnx_ir.passes.PassResult(ir.from_proto(proto), modified=self.micro_ops > 0)
+        self.micro_ops = split_in_place(model.graph, self.plan, self.infos, cut=self.cut)
+        return onnx_ir.passes.PassResult(model, modified=self.micro_ops > 0)
 
     def ensures(self, model: ir.Model) -> None:
-        proto = ir.to_proto(model)
-        available = {i.name for i in proto.graph.input} | {t.name for t in proto.graph.initializer}
+        graph = model.graph
         try:
-            check_topological(list(proto.graph.node), available)
+            check_topological(graph)
         except ValueError as e:
             raise onnx_ir.passes.PostconditionError(str(e)) from e
-        produced = available | {o for n in proto.graph.node for o in n.output}
-        missing = [o.name for o in proto.graph.output if o.name not in produced]
+        produced = available_values(graph) | {v for node in graph for v in node.outputs}
+        missing = [v.name for v in graph.outputs if v not in produced]
         if missing:
             raise onnx_ir.passes.PostconditionError(f"graph outputs {missing} are no longer produced")
         originals = set(self._originals)
-        left = [n.name for n in proto.graph.node if not _is_split_node(n) and originals & set(n.output)]
+        left = [n.name for n in graph if not carries(n, PASS_KEY, PASS_NAME) and originals & set(output_names(n))]
         if left:
             raise onnx_ir.passes.PostconditionError(f"split nodes {left[:3]} are still in the graph")
 
 
-__all__ = ["Cut", "DEFAULT_CUT", "SplitPass", "SplitPlan", "SplitRun", "resolve_plan", "write_split_plan"]
+__all__ = ["Cut", "DEFAULT_CUT", "SplitPass", "SplitPlan", "SplitRun", "resolve_plan", "split_in_place", "write_split_plan"]

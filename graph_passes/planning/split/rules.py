@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 import onnx.numpy_helper
+import onnx_ir as ir
 
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.errors import UnsupportedGraphError
@@ -137,6 +138,31 @@ class NodeInfo:
             input_shapes=tuple(shape(n) for n in node.input),
             output_shapes=tuple(shape(n) for n in node.output),
             constants={k: constants[n] for k, n in enumerate(node.input) if n and n in constants},
+        )
+
+    @classmethod
+    def of_ir(cls, node: ir.Node, infos: Mapping[str, TensorInfo]) -> "NodeInfo":
+        """:meth:`of` for an ``onnx_ir`` node (its constants: initializers and Constant nodes'
+        outputs it reads). Attribute values as :meth:`of` gives them (lists, not tuples)."""
+        attributes = {}
+        for name, attr in node.attributes.items():
+            value = attr.value
+            if attr.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS):
+                value = list(value)
+            elif attr.type == ir.AttributeType.STRINGS:
+                value = [v.encode() for v in value]
+            attributes[name] = value
+
+        def shape(value: ir.Value | None):
+            return infos[value.name].shape if value is not None and value.name in infos else None
+
+        constants = {k: c for k, c in ((k, ir_constant(v)) for k, v in enumerate(node.inputs)) if c is not None}
+        return cls(
+            op_type=node.op_type,
+            attributes=attributes,
+            input_shapes=tuple(shape(v) for v in node.inputs),
+            output_shapes=tuple(shape(v if v.name else None) for v in node.outputs),
+            constants=constants,
         )
 
     def attr(self, name: str, default: Any = None) -> Any:
@@ -699,8 +725,26 @@ def constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return values
 
 
+def ir_constant(value: ir.Value | None) -> np.ndarray | None:
+    """:func:`constant_values`' entry for one ``onnx_ir`` value: an initializer's or a Constant
+    node's value (``value``, ``value_int``, ``value_ints``), else None."""
+    if value is None:
+        return None
+    if value.is_initializer() and value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or producer.domain != "":
+        return None
+    for attr in producer.attributes.values():
+        if attr.name == "value":
+            return attr.value.numpy()
+        if attr.name in ("value_int", "value_ints"):
+            return np.asarray(attr.value, dtype=np.int64)
+    return None
+
+
 __all__ = [
     "CHAIN", "CONCAT", "SUM", "SPLIT_RULES", "UNSPLITTABLE", "Carry", "Merge", "MicroShape", "NodeInfo",
     "SliceOn", "SplitAxis", "SplitOption", "SplitRule", "UnsplittableOpError", "Whole", "chunk_sizes",
-    "constant_values", "find_option", "split_options",
+    "constant_values", "find_option", "ir_constant", "split_options",
 ]

@@ -47,6 +47,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import onnx
+import onnx_ir.passes
 
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.liveness import node_io
@@ -103,6 +104,7 @@ class Variant:
     model: onnx.ModelProto
     infos: Mapping[str, TensorInfo]
     added_nodes: int
+    rewrite: onnx_ir.passes.PassBase  # writes the recomputes into the searched graph (a plan's rewrites)
     lower: Callable[[Sequence[int], Sequence[int]], Program]
     evaluate: Callable[[Program], float]
 

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from graph_passes.cost.device_profiles import V100_16GB_PCIE3
 from graph_passes.ir.liveness import check_topological
-from graph_passes.planning.recompute.graph_pass import recreated_values
+from graph_passes.planning.recompute.graph_pass import RecomputePass, recreated_values
 from graph_passes.planning.recompute.planner import forward_nodes
 from graph_passes.planning.recompute.tensors import TensorRecompute
 from graph_passes.planning.swap.ga import RECOMPUTE, GAConfig, Genome, _Operators, seed_genome
@@ -86,7 +86,8 @@ def _mlp_space():
 
     def variant(chosen):
         rw = tensors.rewrite(chosen)
-        return Variant(rw.model, rw.infos, rw.clones, evaluate=timer(rw.model, rw.infos),
+        return Variant(rw.model, rw.infos, rw.clones, RecomputePass(rw.plan, loss_name=graph.loss_name),
+                       evaluate=timer(rw.model, rw.infos),
                        lower=lambda schedule, cuts: lowered(rw.model, rw.infos, *rw.schedule(schedule, cuts)))
 
     programs = [lowered(model, infos, block_nodes=n) for n in (16, 8, 4, 2, 1)]
