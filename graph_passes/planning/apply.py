@@ -1,5 +1,6 @@
 """Writing a step plan into its graph: the plan's rewrites (recompute or split) and then its
-swaps, composed in one ``onnx_ir`` pass manager over one model.
+swaps, each group an ``onnx_ir`` pass manager run over the same model (between them, a check
+that the rewrites gave the graph the swaps were planned on).
 
 The planner hands its rewritten graphs around as protobuf (it infers their shapes and lowers
 them); a plan also carries the passes that made them (:attr:`StepPlan.rewrites`), so writing it

@@ -31,7 +31,7 @@ from graph_passes.ir.liveness import consumed_names, node_io
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.recompute.graph_pass import recomputed_infos, write_recompute_plan
 from graph_passes.planning.recompute.planner import (RANDOM_OPS, TRIVIAL_BYTES, RecomputePlan, Segment,
-                                                     forward_nodes)
+                                                     forward_nodes, segment_closure)
 
 _SUFFIX = re.compile(r"__rc(\d+)$")
 
@@ -92,22 +92,10 @@ class TensorRecompute:
         self.index = max(used, default=-1) + 1  # the clones' suffix: unused by earlier rewrites
 
     def closure(self, name: str, chosen: frozenset[str]) -> set[int]:
-        """The forward nodes that re-create ``name`` with ``chosen`` recomputed (module docstring)."""
-        nodes, candidates = self.model.graph.node, set(self.candidates)
-        members: set[int] = set()
-        stack = [self.producer[name]]
-        while stack:
-            index = stack.pop()
-            if index in members:
-                continue
-            members.add(index)
-            for value in consumed_names(nodes[index]):
-                source = self.producer.get(value)
-                if source is None or nodes[source].op_type in RANDOM_OPS:
-                    continue
-                if value in candidates and value not in chosen:
-                    continue  # kept or swapped back in: there when the backward needs it
-                stack.append(source)
+        """The forward nodes that re-create ``name`` with ``chosen`` recomputed (module docstring):
+        the walk stops at candidates not chosen (kept or swapped back in for the backward)."""
+        stop = frozenset(self.candidates) - chosen
+        members, _ = segment_closure(name, self.producer, self.model.graph.node, stop=stop)
         return members
 
     def price(self, cost_model: CostModel, profile: DeviceProfile) -> dict[str, float]:
