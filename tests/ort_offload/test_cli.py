@@ -292,6 +292,7 @@ def test_verbose_turns_up_our_loggers_only(restore_log_levels):
         assert logging.getLogger(name).getEffectiveLevel() == logging.DEBUG
 
 
+@pytest.mark.slow  # a fresh export in a subprocess (~20 s); -v's levels are checked fast above
 def test_verbose_export_logs_ours_not_the_exporters(tmp_path):
     """A fresh export at -v: onnxscript and onnx_ir log dozens of INFO lines, none of which show."""
     result = subprocess.run(

@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes
 
 from graph_passes.ir.editing import ancestor_indices, carries, check_topological, copy_node, read_names
+from graph_passes.ir.proto_mirror import ProtoMirror
 from graph_passes.ir.provenance import PASS_KEY, RECOMPUTE_PASS, RECOMPUTE_SOURCE_KEY
 from graph_passes.planning.recompute.planner import RANDOM_OPS, RecomputePlan, Segment, segment_closure
 from graph_passes.ir.shapes import TensorInfo
@@ -52,18 +53,20 @@ def write_recompute_plan(model: onnx.ModelProto, plan: RecomputePlan, *, loss_na
 class RecomputeWriter:
     """Writes recompute plans into one protobuf graph, one after another (the planner's graphs:
     its target with each key's segments recomputed). The graph is converted to ``onnx_ir``
-    once; each plan is written in place (:func:`recompute_in_place`), the result converted back,
-    and the plan taken out again: the conversions, not the rewrite, are what costs."""
+    once; each plan is written in place (:func:`recompute_in_place`), the result written back
+    with only the clones and rewired readers serialized (:class:`ProtoMirror`), and the plan
+    taken out again."""
 
     def __init__(self, model: onnx.ModelProto, *, loss_name: str) -> None:
-        self.model = ir.from_proto(model)
+        self.mirror = ProtoMirror(model)
+        self.model = self.mirror.model
         self.loss_name = loss_name
 
     def write(self, plan: RecomputePlan) -> tuple[onnx.ModelProto, int]:
         """The graph with ``plan`` written in, and the number of clone nodes."""
         edits = recompute_in_place(self.model.graph, plan, loss_name=self.loss_name)
         try:
-            return ir.to_proto(self.model), len(edits.clones)
+            return self.mirror.to_proto(), len(edits.clones)
         finally:
             edits.undo()
 

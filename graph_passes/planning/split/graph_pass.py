@@ -50,6 +50,7 @@ from graph_passes.ir.editing import (
     available_values, carries, check_topological, copy_attribute, copy_node, output_names, read_names, set_order,
     stable_topological, take_over,
 )
+from graph_passes.ir.proto_mirror import ProtoMirror
 from graph_passes.ir.provenance import PASS_KEY, REASON_KEY, SPLIT_PASS, SPLIT_SOURCE_KEY
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.rules import (
@@ -177,11 +178,11 @@ def _check_extents(node: ir.Node, index: int, option: SplitOption, infos: Mappin
 def write_split_plan(model: onnx.ModelProto, plan: SplitPlan, infos: Mapping[str, TensorInfo], *,
                      cut: Cut = DEFAULT_CUT) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with the plan applied; returns it and the number of micro-ops. For
-    the split planner, which infers shapes and lowers protos: one conversion each way around
-    :func:`split_in_place`."""
-    rewritten = ir.from_proto(model)
-    micro_ops = split_in_place(rewritten.graph, plan, infos, cut=cut)
-    return ir.to_proto(rewritten), micro_ops
+    the split planner, which infers shapes and lowers protos: one conversion to ``onnx_ir``
+    around :func:`split_in_place`, and back only for the nodes it changed (:class:`ProtoMirror`)."""
+    mirror = ProtoMirror(model)
+    micro_ops = split_in_place(mirror.model.graph, plan, infos, cut=cut)
+    return mirror.to_proto(), micro_ops
 
 
 def split_in_place(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorInfo], *,

@@ -157,6 +157,12 @@ def test_each_pass_writes_the_graph_it_wrote_on_protobuf(case):
     assert listing(CASES[case]()) == _expected()[case]
 
 
+def _normal(model: onnx.ModelProto) -> bytes:
+    """The model as ``onnx_ir`` writes it: the writers reuse the source's untouched ``NodeProto``s,
+    which a parsed model spells with an explicit empty domain."""
+    return ir.to_proto(ir.from_proto(model)).SerializeToString()
+
+
 def test_one_writer_writes_plan_after_plan_each_as_if_alone():
     """The planner's writer converts its graph once and takes each plan out again after writing it."""
     from graph_passes.planning.recompute.graph_pass import RecomputeWriter
@@ -168,7 +174,7 @@ def test_one_writer_writes_plan_after_plan_each_as_if_alone():
     for (got, clones), plan in zip(written, (RECOMPUTE, first, second, RecomputePlan(()), RECOMPUTE)):
         pass_ = RecomputePass(plan, loss_name="loss")
         alone = ir.to_proto(pass_(ir.from_proto(model)).model)
-        assert got.SerializeToString() == alone.SerializeToString() and clones == pass_.clones
+        assert _normal(got) == alone.SerializeToString() and clones == pass_.clones
     assert [c for _, c in written] == [3, 2, 2, 0, 3]
     assert ir.to_proto(writer.model).SerializeToString() == ir.to_proto(ir.from_proto(model)).SerializeToString()
 

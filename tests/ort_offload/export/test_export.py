@@ -146,6 +146,7 @@ def test_cache_key_changes_with_structure_shapes_and_optimizer(tmp_path):
     assert other.cache_key != base
 
 
+@pytest.mark.slow  # a second export (~10 s); export/test_export_cache.py checks damaged entries fast
 def test_a_corrupt_cache_entry_is_re_exported(tmp_path):
     _, first = export("mlp", cache_dir=tmp_path)
     first.path.write_bytes(b"garbage")
