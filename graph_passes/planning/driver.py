@@ -36,7 +36,7 @@ from graph_passes.planning.schedule import training_spine, updates_early
 from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
 from graph_passes.planning.split.graph_pass import Cut, SplitPass
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
-from graph_passes.planning.swap.planner import blocks_over, required_bytes
+from graph_passes.planning.swap.planner import EVICTION_ORDERS, blocks_over, required_bytes
 from graph_passes.planning.recompute.graph_pass import RecomputePass
 from graph_passes.planning.recompute.tensors import TensorRecompute
 from graph_passes.planning.swap.ga import Variant
@@ -391,8 +391,8 @@ class StepPlanner:
         profile = target.profile()
         if profile.copies_overlap_compute:
             # Smaller blocks let copies start sooner: go on down the block sizes while they
-            # keep getting faster.
-            search = SwapSearch(while_improving=True)
+            # keep getting faster. Clean-first victims free room without waiting for a copy out.
+            search = SwapSearch(while_improving=True, eviction_orders=EVICTION_ORDERS)
         else:
             # Copies cost the compute's own cores whenever they run (the CPU device): Belady's
             # own plan, with evictions where memory needs them; only the block size is searched.

@@ -10,6 +10,8 @@ A :class:`Genome` holds
   topological. Nodes that must stay last (order-dependent ones and their readers) stay there.
 - **cuts**: schedule positions where a new execution block starts.
 - **host_state**: state tensors kept on the host between steps.
+- **eviction**: the planner's victim order within a class, Belady or clean first
+  (:data:`~graph_passes.planning.swap.planner.EVICTION_ORDERS`).
 - **choices**: per tensor, keep, swap or recompute. ``SWAP`` tensors leave first under memory
   pressure, ``KEEP`` tensors last (the Belady planner's classes: :meth:`SwapPlanner.plan`'s
   ``priority``); ``RECOMPUTE`` (where the space allows it, :attr:`SearchSpace.recompute`) drops a
@@ -24,7 +26,7 @@ arena is best-fit with compaction, whose need is the live bytes
 feasibility or time. Whole-segment recomputation is chosen one level up: the step planner plans
 its recompute-and-swap candidates first and hands the GA the winner's graph
 (:meth:`graph_passes.planning.driver.StepPlanner.refine`), whose saved values the recompute
-genes then choose from. The first generation also tries the batch-independent small nodes moved
+genes then choose from. The first generation also tries the seed with the other victim order, the batch-independent small nodes moved
 (:meth:`_Operators.independent_spread`) and, where recompute genes apply, the tensors cheaper
 to recompute than to copy by several margins (:data:`RECOMPUTE_RATIOS`).
 
@@ -56,7 +58,7 @@ from graph_passes.ir.memory import simulate_program
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
 from graph_passes.ir.program import Program, order_dependent_closure
 from graph_passes.ir.shapes import TensorInfo
-from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan
+from graph_passes.planning.swap.planner import EVICT_BELADY, EVICTION_ORDERS, Infeasible, SwapPlanner, apply_swap_plan
 from graph_passes.planning.swap.search import SwapCandidate
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class Genome:
     cuts: frozenset[int]  # schedule positions starting a block (0 excluded)
     host_state: frozenset[str]
     choices: tuple[tuple[str, int], ...]  # (tensor, SWAP | KEEP | RECOMPUTE); absent: DEFAULT
+    eviction: str = EVICT_BELADY  # the planner's victim order within a class (EVICTION_ORDERS)
 
     @property
     def recomputed(self) -> frozenset[str]:
@@ -146,13 +149,13 @@ class SearchSpace:
 
 
 def seed_genome(candidate: SwapCandidate) -> Genome:
-    """The genome of a grid plan: its schedule, block starts and host state."""
+    """The genome of a grid plan: its schedule, block starts, host state and victim order."""
     schedule, cuts = [], set()
     for block in candidate.base_program.blocks:
         if schedule:
             cuts.add(len(schedule))
         schedule.extend(block.node_indices)
-    return Genome(tuple(schedule), frozenset(cuts), frozenset(candidate.plan.host_state), ())
+    return Genome(tuple(schedule), frozenset(cuts), frozenset(candidate.plan.host_state), (), candidate.plan.eviction)
 
 
 def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = None,
@@ -171,7 +174,7 @@ def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = Non
     sizes = {n: align_up(i.nbytes, space.alignment) for n, i in infos.items()}
     host = genome.host_state & set(program.state_inputs)
     priority = {t: c for t, c in genome.choices if c != RECOMPUTE}
-    plan = planner.plan(program, sizes, space.budget, host_state=host, priority=priority)
+    plan = planner.plan(program, sizes, space.budget, host_state=host, priority=priority, eviction=genome.eviction)
     if isinstance(plan, Infeasible):
         return None
     placed = hoist_swap_ins(issue_swap_outs_early(apply_swap_plan(program, plan)), infos,
@@ -265,11 +268,12 @@ class _Operators:
         host = frozenset(s for s in self.state if (s in a.host_state if rng.random() < 0.5 else s in b.host_state))
         va, vb = dict(a.choices), dict(b.choices)
         choices = {t: (va if rng.random() < 0.5 else vb).get(t, DEFAULT) for t in sorted(set(va) | set(vb))}
-        return Genome(schedule, cuts, host, _choices(choices))
+        eviction = (a if rng.random() < 0.5 else b).eviction
+        return Genome(schedule, cuts, host, _choices(choices), eviction)
 
     def mutate(self, g: Genome) -> Genome:
         rng = self.rng
-        kinds = ("schedule", "sink", "cuts", "cuts", "host", "choices", "choices")
+        kinds = ("schedule", "sink", "cuts", "cuts", "host", "choices", "choices", "eviction")
         kind = rng.choice(kinds + (("recompute", "recompute") if self.recomputable else ()))
         if kind == "schedule" and self.movable > 1:
             return dataclasses.replace(g, schedule=self._ready_walk(g.schedule))
@@ -282,10 +286,17 @@ class _Operators:
             return dataclasses.replace(g, host_state=g.host_state ^ flips)
         if kind == "recompute":
             return self._toggle_recompute(g)
+        if kind == "eviction":
+            return self.other_eviction(g)
         choices = dict(g.choices)
         for t in rng.sample(self.gene_tensors, k=min(len(self.gene_tensors), 1 + rng.randrange(4))):
             choices[t] = rng.choice((SWAP, DEFAULT, KEEP, RECOMPUTE) if t in self.recompute_ratio else (SWAP, DEFAULT, KEEP))
         return dataclasses.replace(g, choices=_choices(choices))
+
+    @staticmethod
+    def other_eviction(g: Genome) -> Genome:
+        """``g`` with the planner's other victim order (Belady or clean first)."""
+        return dataclasses.replace(g, eviction=next(o for o in EVICTION_ORDERS if o != g.eviction))
 
     def _toggle_recompute(self, g: Genome) -> Genome:
         """A few recomputable tensors switched between recomputed and not: those switched on
@@ -465,10 +476,12 @@ class GeneticSwapSearch:
         rng, cfg = ops.rng, self.config
         if fill:
             children = [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
-            if len(population) == 1:  # the first generation: the batch-independent nodes moved, cheap recomputes
-                seeds = [ops.independent_spread(population[0], span) for span in ("forward", "first", "step")]
+            if len(population) == 1:  # the first generation: the other victim order, the batch-independent
+                # nodes moved, cheap recomputes
+                seeds = [ops.other_eviction(population[0])]
+                seeds += [ops.independent_spread(population[0], span) for span in ("forward", "first", "step")]
                 if ops.recomputable:
-                    seeds[1:1] = [ops.recompute_cheaper(population[0], ratio) for ratio in RECOMPUTE_RATIOS]
+                    seeds[2:2] = [ops.recompute_cheaper(population[0], ratio) for ratio in RECOMPUTE_RATIOS]
                 seeds = list(dict.fromkeys(seeds))[: len(children)]
                 children[: len(seeds)] = seeds
             return children
@@ -496,7 +509,7 @@ def _time(candidate: SwapCandidate | None) -> float:
 
 def _order_key(g: Genome):
     """A total order on genomes (ties in time must not depend on set iteration order)."""
-    return (len(g.cuts), tuple(sorted(g.cuts)), tuple(sorted(g.host_state)), g.choices, g.schedule)
+    return (len(g.cuts), tuple(sorted(g.cuts)), tuple(sorted(g.host_state)), g.choices, g.eviction, g.schedule)
 
 
 __all__ = ["DEFAULT_PLAN_TIME_S", "GAConfig", "GAResult", "Genome", "GeneticSwapSearch", "KEEP", "RECOMPUTE",

@@ -4,7 +4,9 @@ when it comes back.
 The planner walks the program's steps tracking which tensors are resident and how many arena
 bytes they take. When the tensors a step needs plus what it allocates would exceed the arena's
 capacity, it evicts resident tensors the step does not touch, the one whose next use is
-furthest in the future first (Belady), and brings each back right before its next use.
+furthest in the future first (Belady; or clean first: those the host already holds, which leave
+without a copy, before the rest, Belady within each), and brings each back right before its
+next use.
 Eviction copies a tensor to the host unless the host already holds it (a tensor is an
 immutable value: once copied, later evictions are drops). State (parameters, optimizer state,
 buffers) may stay on the host between steps: an update evicted before the step ends makes its
@@ -24,6 +26,14 @@ from graph_passes.ir.program import Commit, Fetch, Load, Program, RunBlock, Swap
 
 MAX_STEADY_STATE_ROUNDS = 8
 
+# Victim orders under memory pressure. Belady: the furthest next use first. Clean first: tensors
+# the host already holds (a value swapped in and not replaced since, a clean state input) before
+# those that need a copy out, Belady within each; dropping a clean tensor frees its room at
+# once, where a dirty one holds it until its copy out ends (the stall behind copies out on a
+# copy link).
+EVICT_BELADY, EVICT_CLEAN_FIRST = "belady", "clean_first"
+EVICTION_ORDERS = (EVICT_BELADY, EVICT_CLEAN_FIRST)
+
 
 @dataclasses.dataclass(frozen=True)
 class SwapPlan:
@@ -36,6 +46,7 @@ class SwapPlan:
     peak_in_use: int  # most live arena bytes plus running workspace
     swap_out_bytes: int
     swap_in_bytes: int
+    eviction: str = EVICT_BELADY  # the victim order that made it (EVICTION_ORDERS)
 
     @property
     def swap_count(self) -> int:
@@ -90,7 +101,7 @@ class SwapPlanner:
 
     def plan(
         self, program: Program, sizes: Mapping[str, int], budget: int, *, host_state: Iterable[str] | None = None,
-        priority: Mapping[str, int] | None = None,
+        priority: Mapping[str, int] | None = None, eviction: str = EVICT_BELADY,
     ) -> SwapPlan | Infeasible:
         """A plan keeping, at every step, live arena bytes plus the running block's workspace
         within ``budget``.
@@ -101,7 +112,12 @@ class SwapPlanner:
         state).
 
         ``priority``: per tensor, a victim class (default 0); lower classes are evicted first,
-        Belady within a class (a search's keep/swap choice per tensor)."""
+        Belady within a class (a search's keep/swap choice per tensor).
+
+        ``eviction``: :data:`EVICT_BELADY` or :data:`EVICT_CLEAN_FIRST`, the order within a
+        priority class (see :data:`EVICTION_ORDERS`)."""
+        if eviction not in EVICTION_ORDERS:
+            raise ValueError(f"unknown eviction order {eviction!r}: use {', '.join(EVICTION_ORDERS)}")
         need = required_bytes(program, sizes)
         if need > budget:
             return Infeasible(-1, need, "one step's inputs, outputs and workspace alone exceed the budget")
@@ -113,13 +129,15 @@ class SwapPlanner:
         # The state on the host when a step starts must be what the previous step left there.
         host_start = forced
         for _ in range(MAX_STEADY_STATE_ROUNDS):
-            once = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority)
+            once = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority,
+                              clean_first=eviction == EVICT_CLEAN_FIRST)
             if once.host_end == host_start:
                 return once.plan
             if once.host_end < host_start:
                 break  # state that started on the host ended on the device: send it back
             host_start = host_start | once.host_end  # grows monotonically, so this converges
-        return _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority).plan
+        return _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority,
+                          clean_first=eviction == EVICT_CLEAN_FIRST).plan
 
 
 def _needs(program: Program, step) -> set[str]:
@@ -155,11 +173,11 @@ class _OnePlan:
 
 
 def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: frozenset = frozenset(),
-               priority=None) -> _OnePlan:
+               priority=None, clean_first: bool = False) -> _OnePlan:
     """One eviction walk over the steps, starting with ``host_start`` on the host and ending
-    with the state in ``force_end`` on the host."""
+    with the state in ``force_end`` on the host; ``clean_first``: the clean-first victim order."""
     next_use = _NextUse(program)
-    walk = _EvictionWalk(program, sizes, host_start)
+    walk = _EvictionWalk(program, sizes, host_start, clean_first=clean_first)
     for i, step in enumerate(program.steps):
         walk.step(i, step, capacity - _workspace(program, step), next_use, priority or {})
     # What holds each state tensor when the step ends: its update, or itself if nothing replaces it.
@@ -174,6 +192,7 @@ def _plan_once(program, sizes, capacity, host_start: frozenset, force_end: froze
         peak_in_use=walk.peak,
         swap_out_bytes=walk.swapped_out,
         swap_in_bytes=walk.swapped_in,
+        eviction=EVICT_CLEAN_FIRST if clean_first else EVICT_BELADY,
     )
     return _OnePlan(plan, host_end)
 
@@ -209,8 +228,9 @@ class _EvictionWalk:
     """What the walk tracks: the resident tensors and their bytes, which tensors the host holds,
     the swaps placed before each step, the peak and the bytes copied each way."""
 
-    def __init__(self, program: Program, sizes: Mapping[str, int], host_start: frozenset) -> None:
-        self.program, self.sizes = program, sizes
+    def __init__(self, program: Program, sizes: Mapping[str, int], host_start: frozenset,
+                 clean_first: bool = False) -> None:
+        self.program, self.sizes, self.clean_first = program, sizes, clean_first
         self.resident = {n for n in program.state_inputs if n not in host_start}
         self.on_host = set(host_start)
         self.in_use = sum(sizes[n] for n in self.resident)
@@ -230,7 +250,8 @@ class _EvictionWalk:
         if demand > limit:
             pinned = needed | set(allocs)
             candidates = sorted((n for n in self.resident if n not in pinned),
-                                key=lambda n: (rank.get(n, 0), -next_use(n, i), n))
+                                key=lambda n: (rank.get(n, 0), self.clean_first and n not in self.on_host,
+                                               -next_use(n, i), n))
             outs = self._evict(candidates, demand, limit)
         for name in ins:
             self.resident.add(name)

@@ -35,7 +35,9 @@ from graph_passes.ir.memory import MemoryTrace, simulate_program
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
 from graph_passes.ir.program import Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
-from graph_passes.planning.swap.planner import Infeasible, SwapPlan, SwapPlanner, apply_swap_plan
+from graph_passes.planning.swap.planner import (
+    EVICT_BELADY, EVICTION_ORDERS, Infeasible, SwapPlan, SwapPlanner, apply_swap_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ class SwapCandidate:
 @dataclasses.dataclass(frozen=True)
 class SwapSearchResult:
     best: SwapCandidate
-    considered: tuple[tuple[int, str, float | None], ...]  # (blocks, placement, seconds or None if over budget)
+    # (blocks, placement with "+clean_first" where that order planned it, seconds or None if over budget)
+    considered: tuple[tuple[int, str, float | None], ...]
 
 
 def state_first_read_after_peak(program: Program, infos: Mapping[str, TensorInfo], *, alignment: int) -> frozenset[str]:
@@ -93,10 +96,13 @@ class SwapSearch:
         state_placements: Sequence[str] = STATE_PLACEMENTS,
         early_swap_outs: bool = True,
         while_improving: bool = False,
+        eviction_orders: Sequence[str] = (EVICT_BELADY,),
     ) -> None:
         unknown = set(state_placements) - set(STATE_PLACEMENTS)
         if unknown:
             raise ValueError(f"unknown state placements {sorted(unknown)}: use {', '.join(STATE_PLACEMENTS)}")
+        if not eviction_orders or set(eviction_orders) - set(EVICTION_ORDERS):
+            raise ValueError(f"eviction orders {list(eviction_orders)}: use some of {', '.join(EVICTION_ORDERS)}")
         self.planner = planner or SwapPlanner()
         self.max_block_sizes = max_block_sizes
         self.state_placements = tuple(state_placements)
@@ -105,6 +111,8 @@ class SwapSearch:
         # Go on past `max_block_sizes` while the last block size tried was the fastest so far
         # (the trend has not turned yet), down to the smallest lowering given.
         self.while_improving = while_improving
+        # The planner's victim orders tried per placement (a grid dimension).
+        self.eviction_orders = tuple(eviction_orders)
 
     def search(
         self,
@@ -133,35 +141,45 @@ class SwapSearch:
             budget = total_budget - len(program.blocks) * session_bytes
             if budget <= 0:
                 break  # smaller blocks only mean more sessions
-            placements = self._placements(program, infos, alignment)
             planned_any = False
-            for label, host_state in placements:
-                plan = self.planner.plan(program, sizes, budget, host_state=host_state)
-                if isinstance(plan, Infeasible):
-                    break  # the same for every placement of this program
-                planned_any = True
-                applied = apply_swap_plan(program, plan)
-                if self.early_swap_outs:
-                    applied = issue_swap_outs_early(applied)
-                placed = hoist_swap_ins(applied, infos, budget=budget, alignment=alignment)
-                trace = simulate_program(placed, infos, budget=budget, alignment=alignment)
-                if trace.min_budget_bytes > budget:
-                    considered.append((len(program.blocks), label, None))
-                    continue
-                seconds = evaluate(placed)
-                considered.append((len(program.blocks), label, seconds))
-                if best is None or seconds < best.step_time_s:
-                    best = SwapCandidate(program, plan, placed, trace, label, seconds)
+            for label, host_state in self._placements(program, infos, alignment):
+                for order in self.eviction_orders:
+                    found = self._candidate(program, infos, sizes, budget, alignment, evaluate, host_state, order)
+                    if found is None:
+                        break  # infeasible: the same for every placement and order of this program
+                    planned_any = True
+                    seconds = found.step_time_s if isinstance(found, SwapCandidate) else None
+                    considered.append((len(program.blocks), _label(label, order), seconds))
+                    if seconds is not None and (best is None or seconds < best.step_time_s):
+                        best = dataclasses.replace(found, state_placement=label)
+                if not planned_any:
+                    break
             if planned_any:
                 tried += 1
                 last_planned = program
         if best is None:
             return None
         logger.info(
-            "swap search: %d candidates, chose %d blocks with state placement %r (%.3g s simulated)",
-            len(considered), len(best.base_program.blocks), best.state_placement, best.step_time_s,
+            "swap search: %d candidates, chose %d blocks with state placement %r, %s victims (%.3g s simulated)",
+            len(considered), len(best.base_program.blocks), best.state_placement, best.plan.eviction, best.step_time_s,
         )
         return SwapSearchResult(best, tuple(considered))
+
+    def _candidate(self, program: Program, infos, sizes, budget: int, alignment: int, evaluate, host_state,
+                   order: str) -> SwapCandidate | MemoryTrace | None:
+        """One placement and victim order planned, placed and timed; the arena trace alone
+        where the placed program does not fit ``budget``; None where no plan fits."""
+        plan = self.planner.plan(program, sizes, budget, host_state=host_state, eviction=order)
+        if isinstance(plan, Infeasible):
+            return None
+        applied = apply_swap_plan(program, plan)
+        if self.early_swap_outs:
+            applied = issue_swap_outs_early(applied)
+        placed = hoist_swap_ins(applied, infos, budget=budget, alignment=alignment)
+        trace = simulate_program(placed, infos, budget=budget, alignment=alignment)
+        if trace.min_budget_bytes > budget:
+            return trace
+        return SwapCandidate(program, plan, placed, trace, "", evaluate(placed))
 
     def _placements(self, program: Program, infos, alignment: int) -> list[tuple[str, frozenset[str] | None]]:
         options: list[tuple[str, frozenset[str] | None]] = []
@@ -176,6 +194,10 @@ class SwapSearch:
                 seen.add(chosen)
                 options.append((label, chosen))
         return options
+
+
+def _label(placement: str, order: str) -> str:
+    return placement if order == EVICT_BELADY else f"{placement}+{order}"
 
 
 __all__ = [
