@@ -143,8 +143,10 @@ class SwapSearch:
                 break  # smaller blocks only mean more sessions
             planned_any = False
             for label, host_state in self._placements(program, infos, alignment):
+                timed: dict[SwapPlan, SwapCandidate | MemoryTrace] = {}
                 for order in self.eviction_orders:
-                    found = self._candidate(program, infos, sizes, budget, alignment, evaluate, host_state, order)
+                    found = self._candidate(program, infos, sizes, budget, alignment, evaluate, host_state, order,
+                                            timed)
                     if found is None:
                         break  # infeasible: the same for every placement and order of this program
                     planned_any = True
@@ -166,12 +168,23 @@ class SwapSearch:
         return SwapSearchResult(best, tuple(considered))
 
     def _candidate(self, program: Program, infos, sizes, budget: int, alignment: int, evaluate, host_state,
-                   order: str) -> SwapCandidate | MemoryTrace | None:
+                   order: str, timed: dict) -> SwapCandidate | MemoryTrace | None:
         """One placement and victim order planned, placed and timed; the arena trace alone
-        where the placed program does not fit ``budget``; None where no plan fits."""
+        where the placed program does not fit ``budget``; None where no plan fits. ``timed``:
+        the results by plan (victim order aside) of this placement's other orders, which often
+        plan alike: such a plan is not placed and timed again."""
         plan = self.planner.plan(program, sizes, budget, host_state=host_state, eviction=order)
         if isinstance(plan, Infeasible):
             return None
+        key = dataclasses.replace(plan, eviction=EVICT_BELADY)
+        if key in timed:
+            return timed[key]
+        timed[key] = self._placed(program, plan, infos, budget, alignment, evaluate)
+        return timed[key]
+
+    def _placed(self, program: Program, plan: SwapPlan, infos, budget: int, alignment: int,
+                evaluate) -> SwapCandidate | MemoryTrace:
+        """``plan`` applied, its copies placed, replayed and timed (the trace alone if over ``budget``)."""
         applied = apply_swap_plan(program, plan)
         if self.early_swap_outs:
             applied = issue_swap_outs_early(applied)

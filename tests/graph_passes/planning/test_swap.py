@@ -187,36 +187,3 @@ def test_random_graphs_and_budgets_are_exact_or_refused_with_a_minimum_that_plan
     reference = ort.InferenceSession(graph.model.SerializeToString()).run(["loss"], feeds)[0]
     assert np.float32(expected_losses[0]).tobytes() == np.asarray(reference, dtype=np.float32).tobytes()
 
-
-def _clean_or_dirty_program():
-    """State ``s`` (on the host between steps, so clean once in) and an activation ``a`` (dirty)
-    are both resident when block 1 allocates ``b`` over the budget; ``s`` is read again sooner."""
-    from graph_passes.ir.program import Block, Program
-
-    f32 = np.dtype("float32")
-    infos = {n: shapes.TensorInfo(f32, (k,)) for n, k in (("s", 256), ("a", 256), ("b", 256), ("c", 32), ("loss", 1))}
-    blocks = (Block(0, (0,), ("s",), ("a",), 0), Block(1, (1,), (), ("b",), 0),
-              Block(2, (2,), ("s", "b"), ("c",), 0), Block(3, (3,), ("a", "c"), ("loss",), 0))
-    steps = (RunBlock(0, ("a",), ()), RunBlock(1, ("b",), ()), RunBlock(2, ("c",), ("b",)),
-             RunBlock(3, ("loss",), ("a", "c")), Fetch("loss", True))
-    program = Program(blocks, steps, state_inputs=("s",), data_inputs=(), fetches=("loss",))
-    return program, infos, {n: align_up(i.nbytes) for n, i in infos.items()}
-
-
-@pytest.mark.parametrize("eviction, victim, copied", [("belady", "a", True), ("clean_first", "s", False)])
-def test_the_victim_order_is_belady_by_default_or_clean_first(eviction, victim, copied):
-    """Belady evicts the tensor used furthest ahead (the dirty activation, a copy out); clean
-    first drops the state the host already holds (no copy), Belady within each class."""
-    program, infos, sizes = _clean_or_dirty_program()
-    budget = 2 * sizes["s"] + sizes["c"] + sizes["loss"]
-    planner = SwapPlanner()
-    plan = planner.plan(program, sizes, budget, host_state=["s"], eviction=eviction)
-    assert not isinstance(plan, Infeasible) and plan.eviction == eviction
-    first_out = next(swap for _, swaps in plan.before for swap in swaps if isinstance(swap, SwapOut))
-    assert (first_out.name, first_out.copy) == (victim, copied)
-    trace = simulate_program(apply_swap_plan(program, plan), infos, budget=budget)
-    assert trace.min_budget_bytes <= budget
-    if eviction == "belady":
-        assert planner.plan(program, sizes, budget, host_state=["s"]) == plan  # the default
-    with pytest.raises(ValueError, match="eviction order"):
-        planner.plan(program, sizes, budget, eviction="lru")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from graph_passes.ir import shapes
@@ -15,9 +16,9 @@ from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.allocator import align_up
 from graph_passes.ir.memory import simulate_program
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
-from graph_passes.ir.program import Commit, Load, RunBlock, SwapIn, SwapOut, lower
+from graph_passes.ir.program import Block, Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.cost.simulator import simulate_time
-from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan
+from graph_passes.planning.swap.planner import EVICTION_ORDERS, Infeasible, SwapPlanner, apply_swap_plan
 from graph_passes.planning.swap.search import STATE_ALL, STATE_NONE, SwapSearch, state_first_read_after_peak
 from chain_helpers import chain_feeds, chain_graph, planned_chain, run_chain
 
@@ -185,3 +186,55 @@ def test_memory_aware_partition_fits_with_no_more_blocks_than_a_uniform_one(wher
         assert fit_blocks(counted, infos, budget=budget, position_of={i: i for i in range(count)},
                           max_blocks=len(program.blocks) - 1) is None
         assert len(calls) <= rounds
+
+
+def _clean_or_dirty_program():
+    """State ``s`` (on the host between steps, so clean once in) and an activation ``a`` (dirty)
+    are both resident when block 1 allocates ``b`` over the budget; ``s`` is read again sooner."""
+    f32 = np.dtype("float32")
+    infos = {n: shapes.TensorInfo(f32, (k,)) for n, k in (("s", 256), ("a", 256), ("b", 256), ("c", 32), ("loss", 1))}
+    blocks = (Block(0, (0,), ("s",), ("a",), 0), Block(1, (1,), (), ("b",), 0),
+              Block(2, (2,), ("s", "b"), ("c",), 0), Block(3, (3,), ("a", "c"), ("loss",), 0))
+    steps = (RunBlock(0, ("a",), ()), RunBlock(1, ("b",), ()), RunBlock(2, ("c",), ("b",)),
+             RunBlock(3, ("loss",), ("a", "c")), Fetch("loss", True))
+    program = Program(blocks, steps, state_inputs=("s",), data_inputs=(), fetches=("loss",))
+    return program, infos, {n: align_up(i.nbytes) for n, i in infos.items()}
+
+
+@pytest.mark.parametrize("eviction, victim, copied", [("belady", "a", True), ("clean_first", "s", False)])
+def test_the_victim_order_is_belady_by_default_or_clean_first(eviction, victim, copied):
+    """Belady evicts the tensor used furthest ahead (the dirty activation, a copy out); clean
+    first drops the state the host already holds (no copy), Belady within each class."""
+    program, infos, sizes = _clean_or_dirty_program()
+    budget = 2 * sizes["s"] + sizes["c"] + sizes["loss"]
+    planner = SwapPlanner()
+    plan = planner.plan(program, sizes, budget, host_state=["s"], eviction=eviction)
+    assert not isinstance(plan, Infeasible) and plan.eviction == eviction
+    first_out = next(swap for _, swaps in plan.before for swap in swaps if isinstance(swap, SwapOut))
+    assert (first_out.name, first_out.copy) == (victim, copied)
+    trace = simulate_program(apply_swap_plan(program, plan), infos, budget=budget)
+    assert trace.min_budget_bytes <= budget
+    if eviction == "belady":
+        assert planner.plan(program, sizes, budget, host_state=["s"]) == plan  # the default
+    with pytest.raises(ValueError, match="eviction order"):
+        planner.plan(program, sizes, budget, eviction="lru")
+
+
+def test_the_grid_tries_both_victim_orders_and_follows_the_evaluator():
+    """With both orders, each placement is planned with each (labels "+clean_first"); an
+    evaluator that prefers dropped swap-outs (no copy) gets the clean-first plan."""
+    program, infos, sizes = _clean_or_dirty_program()
+    budget = 2 * sizes["s"] + sizes["c"] + sizes["loss"]
+
+    def fewer_copies(p):
+        return sum(1 if s.copy else -1 for s in p.steps if isinstance(s, SwapOut))
+
+    result = SwapSearch(eviction_orders=EVICTION_ORDERS).search([program], infos, budget=budget, evaluate=fewer_copies)
+    labels = {label for _, label, _ in result.considered}
+    assert {STATE_ALL, f"{STATE_ALL}+clean_first"} <= labels
+    assert result.best.plan.eviction == "clean_first" and result.best.state_placement == STATE_ALL
+    assert result.best.step_time_s == min(s for _, _, s in result.considered if s is not None)
+    belady_only = SwapSearch().search([program], infos, budget=budget, evaluate=fewer_copies)
+    assert belady_only.best.plan.eviction == "belady" and belady_only.best.step_time_s > result.best.step_time_s
+    with pytest.raises(ValueError, match="eviction orders"):
+        SwapSearch(eviction_orders=["lru"])
