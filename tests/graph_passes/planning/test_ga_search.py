@@ -14,7 +14,8 @@ import pytest
 import ort_offload
 from graph_passes.ir import shapes
 from graph_passes.cost.device_profiles import V100_16GB_PCIE3
-from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, _Operators, seed_genome
+from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, _Operators, decode, seed_genome
+from graph_passes.planning.swap.planner import EVICT_BELADY, EVICT_CLEAN_FIRST, EVICTION_ORDERS, SwapPlanner
 from graph_passes.ir.allocator import align_up
 from graph_passes.ir.memory import simulate_program
 from graph_passes.ir.program import lower
@@ -108,6 +109,32 @@ def test_children_are_topological_and_keep_the_late_nodes_last():
             seen.update(nodes[index].output)
         assert all(0 < c < len(nodes) for c in g.cuts)
 
+
+
+def test_the_victim_order_is_a_gene_the_first_generation_tries():
+    """The seed carries the grid plan's victim order (Belady here: the grid of ``_chain_space``
+    tries Belady only); mutation flips it, and the first genome evaluated is the seed with the
+    other order, which the planner then plans clean first."""
+    graph, infos, _, seed, space = _chain_space()
+    first = seed_genome(seed)
+    assert first.eviction == seed.plan.eviction == EVICT_BELADY
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    ops = _Operators(graph.model, first, seed.base_program, seed.base_program.state_inputs, random.Random(0),
+                     GAConfig(), sizes)
+    assert {ops.mutate(first).eviction for _ in range(80)} == set(EVICTION_ORDERS)
+    other = ops.other_eviction(first)
+    assert other == dataclasses.replace(first, eviction=EVICT_CLEAN_FIRST)
+    assert decode(other, space).plan.eviction == EVICT_CLEAN_FIRST
+
+    class Recording(SwapPlanner):
+        orders: list = []
+
+        def plan(self, *args, **kwargs):
+            self.orders.append(kwargs["eviction"])
+            return super().plan(*args, **kwargs)
+
+    GeneticSwapSearch(GAConfig(max_evaluations=3, time_limit_s=60), planner=Recording()).search(seed, space)
+    assert Recording.orders[0] == EVICT_CLEAN_FIRST
 
 def test_the_bound_is_below_every_plan_and_counts_the_link():
     graph, infos, finest, seed, space = _chain_space(where=0.0)
