@@ -80,15 +80,15 @@ def _profile(program: Program, steps: Sequence[Step], sizes: Mapping[str, int]) 
     return before, point
 
 
-def _touches(program: Program, step: Step, name: str) -> bool:
-    """Whether ``step`` is a barrier for hoisting a swap-in of ``name``."""
-    if isinstance(step, (SwapIn, Load, Commit)):
-        return True
+def _touched(program: Program, step: Step) -> frozenset[str] | None:
+    """The tensors ``step`` is a hoisting barrier for (its block's inputs, allocations and
+    frees; a ``SwapOut``'s or ``Fetch``'s tensor); None where it is one for every tensor (a
+    ``SwapIn``, ``Load`` or ``Commit``, or a step kind this pass does not know)."""
     if isinstance(step, (SwapOut, Fetch)):
-        return step.name == name
+        return frozenset((step.name,))
     if isinstance(step, RunBlock):
-        return name in program.blocks[step.block].inputs or name in step.allocates or name in step.frees
-    return True
+        return frozenset(program.blocks[step.block].inputs) | frozenset(step.allocates) | frozenset(step.frees)
+    return None
 
 
 def hoist_swap_ins(
@@ -127,12 +127,17 @@ def hoist_swap_ins(
 
 
 def _hoist(program, infos, budget, lookahead_blocks, alignment, only: int | None) -> Program:
-    """Hoist every swap-in, or only the ``only``-th (counting swap-ins in program order)."""
+    """Hoist every swap-in, or only the ``only``-th (counting swap-ins in program order). The
+    steps' barrier sets (:func:`_touched`) and memory points are computed once per call and
+    move with their steps."""
     sizes = {n: align_up(i.nbytes, alignment) for n, i in infos.items()}
     steps = list(program.steps)
     before, point = _profile(program, steps, sizes)
-    position = 0
-    seen = -1
+    # Placed before step j, a tensor is live at j's point and at its own (the bytes before j).
+    peak = [max(b, p) for b, p in zip(before, point)]
+    touched = [_touched(program, step) for step in steps]
+    is_block = [isinstance(step, RunBlock) for step in steps]
+    position, seen = 0, -1
     while position < len(steps):
         step = steps[position]
         if not isinstance(step, SwapIn):
@@ -143,20 +148,7 @@ def _hoist(program, infos, budget, lookahead_blocks, alignment, only: int | None
             position += 1
             continue
         size = sizes[step.name]
-        target = position
-        crossed_blocks = 0
-        while target > 0:
-            previous = steps[target - 1]
-            if _touches(program, previous, step.name):
-                break
-            if isinstance(previous, RunBlock):
-                if lookahead_blocks is not None and crossed_blocks >= lookahead_blocks:
-                    break
-            # Placed before `previous`, the tensor is live at its point and at its own.
-            if max(point[target - 1], before[target - 1]) + size > budget:
-                break
-            crossed_blocks += isinstance(previous, RunBlock)
-            target -= 1
+        target = _hoist_target(step.name, size, position, touched, is_block, peak, budget, lookahead_blocks)
         # Where it stops, it comes after the swap-outs and fetches it crossed there: they
         # release memory it may be waiting for, and issuing them first costs no time.
         while target < position and isinstance(steps[target], (SwapOut, Fetch)):
@@ -165,15 +157,33 @@ def _hoist(program, infos, budget, lookahead_blocks, alignment, only: int | None
             # Steps target..position-1 shift down one and carry the tensor; the swap-in's own
             # point is the bytes before `target` plus itself.
             moved_before = before[target]
-            for i in range(target, position):
-                before[i] += size
-                point[i] += size
-            for seq in (steps, before, point):
+            for seq in (before, point, peak):
+                seq[target:position] = [v + size for v in seq[target:position]]
+            for seq in (steps, before, point, peak, touched, is_block):
                 seq.insert(target, seq.pop(position))
             before[target] = moved_before
-            point[target] = moved_before + size
+            point[target] = peak[target] = moved_before + size
         position += 1
     return dataclasses.replace(program, steps=tuple(steps))
+
+
+def _hoist_target(name: str, size: int, position: int, touched, is_block, peak, budget: int,
+                  lookahead_blocks: int | None) -> int:
+    """The earliest position the swap-in of ``name`` at ``position`` can move to: above no
+    barrier for it, no step where it would not fit, at most ``lookahead_blocks`` blocks."""
+    target, crossed = position, 0
+    while target > 0:
+        j = target - 1
+        names = touched[j]
+        if names is None or name in names:
+            break
+        if is_block[j] and lookahead_blocks is not None and crossed >= lookahead_blocks:
+            break
+        if peak[j] + size > budget:
+            break
+        crossed += is_block[j]
+        target = j
+    return target
 
 
 __all__ = ["hoist_swap_ins"]

@@ -210,3 +210,61 @@ def test_gpu_replay_orderings_reproduce_the_simulated_step():
     assert critical_path_s(events, deps, order) == pytest.approx(trace.step_time_s, rel=1e-12)
     without = critical_path_s(events, deps, order, copies=False)
     assert without == pytest.approx(trace.compute_time_s, rel=1e-9) and without <= trace.step_time_s
+
+
+def _hoisted_step_by_step(program, infos, budget, lookahead_blocks=None):
+    """The reference for hoisting: each swap-in walked up one step at a time, the barrier and
+    the memory at each step worked out afresh (the arena's bytes from a new profile per move)."""
+    from graph_passes.ir.allocator import align_up
+    from graph_passes.ir.program import Commit
+    from graph_passes.planning.swap.prefetch import _profile
+
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    steps, position = list(program.steps), 0
+
+    def barrier(step, name):
+        if isinstance(step, (SwapIn, Load, Commit)):
+            return True
+        if isinstance(step, (SwapOut, Fetch)):
+            return step.name == name
+        blocks = program.blocks[step.block]
+        return name in blocks.inputs or name in step.allocates or name in step.frees
+
+    for position, step in enumerate(list(steps)):
+        if not isinstance(step, SwapIn):
+            continue
+        before, point = _profile(program, steps, sizes)
+        target, crossed = position, 0
+        while target > 0 and not barrier(steps[target - 1], step.name):
+            is_block = isinstance(steps[target - 1], RunBlock)
+            if is_block and lookahead_blocks is not None and crossed >= lookahead_blocks:
+                break
+            if max(point[target - 1], before[target - 1]) + sizes[step.name] > budget:
+                break
+            crossed, target = crossed + is_block, target - 1
+        while target < position and isinstance(steps[target], (SwapOut, Fetch)):
+            target += 1
+        steps.insert(target, steps.pop(position))
+    return steps
+
+
+@pytest.mark.parametrize("width", [16, 256])
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.6])
+@pytest.mark.parametrize("order", ["belady", "clean_first"])
+def test_hoisting_places_every_swap_in_where_the_step_by_step_walk_does(width, where, order):
+    """The hoisting pass (barriers and memory points computed once per call) against the
+    reference walk, on plans as the grid makes them (swap-outs early, state on the host) and
+    as the planner makes them, with and without a lookahead bound."""
+    from graph_passes.ir.allocator import align_up
+    from graph_passes.planning.swap.eviction import issue_swap_outs_early
+    from graph_passes.planning.swap.planner import SwapPlanner
+
+    _, infos, program, _, budget = planned_chain(width, where)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    for host_state in (None, program.state_inputs):
+        plan = SwapPlanner().plan(program, sizes, budget, host_state=host_state, eviction=order)
+        applied = apply_swap_plan(program, plan)
+        for planned in (applied, issue_swap_outs_early(applied)):
+            for lookahead in (None, 0, 2):
+                hoisted = hoist_swap_ins(planned, infos, budget=budget, lookahead_blocks=lookahead)
+                assert list(hoisted.steps) == _hoisted_step_by_step(planned, infos, budget, lookahead)
