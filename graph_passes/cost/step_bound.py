@@ -41,8 +41,10 @@ Three bounds; the step is at least the largest (:class:`StepTimeBound`):
   ``T >= C + (in - Σ_k min(r_in * t_k, max(0, B - M_k))) / r_in``, and the same out. It bites
   where the budget is barely above the largest nodes.
 
-The link bound's cut nodes are those whose ancestors (with themselves) score highest by the
-same weights (a cut is at most that set's weight), :data:`CUT_POINTS` per direction.
+The link bound's cut nodes: per direction, the :data:`CUT_POINTS` nodes whose ancestors (with
+themselves) weigh most, those whose prefix in the program's order weighs most (both at least
+the cut), and those with the most forced crossings (values made before them and read after
+them in every schedule: at most the cut). Any node gives a valid bound; these find the large cuts.
 
 The bounds hold for plans that swap (and choose schedules, blocks and host placement), whose
 compute is the graph's own. A plan that recomputes trades link bytes for compute and is not
@@ -190,8 +192,11 @@ def _capacity_bound(g: _Graph, profile: DeviceProfile, budget: int, compute: flo
 
 
 class _Proxies:
-    """Per node ``k``, the weights of the closed set of ``k`` and its ancestors (``W0(k)``):
-    which nodes' cuts are worth computing (a minimum cut is at most its ``W0`` value)."""
+    """Per node ``k``, scores of which nodes' cuts are worth computing: the weights of the
+    closed set of ``k`` and its ancestors (``W0(k)``; a minimum cut is at most its ``W0``
+    value), of the program's prefix up to ``k`` (a closed set between the same ends, so also
+    at least the cut), and the forced crossings (values made in ``W0(k)`` and read by a
+    descendant of ``k``: in every cut, so at most the cut)."""
 
     def __init__(self, g: _Graph) -> None:
         n = len(g.program.blocks)
@@ -213,11 +218,42 @@ class _Proxies:
         self.steady_out = (size * dirty) @ (made & (crossing | lasting))  # what the link bound's out cut weighs
         self.out = (size * made_here) @ (made & (crossing | lasting))  # out(W0(k))
         self.compute = inside.astype(float) @ g.times  # C(W0(k))
+        after = np.zeros((len(names), n), dtype=bool)  # [v, k]: a descendant of k reads v
+        for row, name in enumerate(names):
+            readers = g.readers.get(name, [])
+            if readers:
+                after[row] = g.ancestors[readers].any(axis=0)
+        self.forced_in = size @ (made & after)
+        self.forced_out = (size * dirty) @ (made & (after | lasting))
+        self.prefix_in, self.prefix_out = _prefix_live(g, names, size * dirty, lasting[:, 0])
 
     @staticmethod
     def top(scores: np.ndarray, count: int) -> list[int]:
         """The ``count`` nodes with the highest scores (ties to the lower index)."""
         return [int(k) for k in np.argsort(-scores, kind="stable")[:count]]
+
+
+def _prefix_live(g: _Graph, names: list[str], dirty_size: np.ndarray, lasting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node, the bytes live across it in the program's own order (made at or before it, or
+    a step input, and read after it; for the out weights also values that outlive the step):
+    ``in`` and ``out`` (dirty bytes) of the prefix ending at it."""
+    n = len(g.program.blocks)
+    position = np.empty(n, dtype=int)
+    position[g.order] = np.arange(n)
+    live_in, live_out = np.zeros(n + 1), np.zeros(n + 1)
+    for row, name in enumerate(names):
+        made = position[g.producer[name]] if name in g.producer else 0
+        readers = g.readers.get(name, [])
+        last = int(position[readers].max()) if readers else -1
+        if last > made:  # live from its maker's position to the one before its last reader's
+            live_in[made] += g.sizes[name]
+            live_in[last] -= g.sizes[name]
+        end = n if lasting[row] else last
+        if end > made:
+            live_out[made] += dirty_size[row]
+            live_out[end] -= dirty_size[row]
+    by_position_in, by_position_out = np.cumsum(live_in)[:n], np.cumsum(live_out)[:n]
+    return by_position_in[position], by_position_out[position]
 
 
 def _link_bytes(g: _Graph, proxies: _Proxies, budget: int, points: int) -> tuple[int, int, int]:
@@ -226,7 +262,9 @@ def _link_bytes(g: _Graph, proxies: _Proxies, budget: int, points: int) -> tuple
     h2d = d2h = live = 0
     units = {name: size for name, size in g.sizes.items()}
     dirty = {name: size for name, size in units.items() if name not in g.clean}
-    chosen = set(_Proxies.top(proxies.into, points)) | set(_Proxies.top(proxies.steady_out, points))
+    scores = (proxies.into, proxies.steady_out, proxies.forced_in, proxies.forced_out, proxies.prefix_in,
+              proxies.prefix_out)
+    chosen = {k for score in scores for k in _Proxies.top(score, points)}
     for k in sorted(chosen):
         before = set(np.flatnonzero(g.ancestors[k])) | {k}
         after = set(np.flatnonzero(g.ancestors[:, k]))

@@ -136,6 +136,7 @@ def test_the_victim_order_is_a_gene_the_first_generation_tries():
     GeneticSwapSearch(GAConfig(max_evaluations=3, time_limit_s=60), planner=Recording()).search(seed, space)
     assert Recording.orders[0] == EVICT_CLEAN_FIRST
 
+
 def test_the_bound_is_below_every_plan_and_counts_the_link():
     graph, infos, finest, seed, space = _chain_space(where=0.0)
     bound = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=space.budget)
@@ -147,6 +148,34 @@ def test_the_bound_is_below_every_plan_and_counts_the_link():
     tiny = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=0)
     assert tiny.h2d_bytes == tiny.necessary_live_bytes > 0 and tiny.link_s > 0
     assert step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=10**12).link_s == 0
+
+
+@pytest.mark.parametrize("width", [16, 64])
+def test_the_link_bound_finds_the_largest_cut_of_any_node(width):
+    """The link bound's cut nodes (chosen by scores) find the largest minimum cut over every
+    node of the step, and the program-order prefix score is the bytes live across each node
+    in that order (counted value by value)."""
+    from graph_passes.cost import step_bound
+
+    graph, infos, finest, _, space = _chain_space(width=width, where=0.0)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=V100_16GB_PCIE3, budget=space.budget)
+    cost = step_bound.AnalyticalCostModel(V100_16GB_PCIE3)
+    times = np.array([cost.block_time(graph.model, b, infos) for b in finest.blocks])
+    g = step_bound._graph(finest, infos, times)
+    cuts = []
+    for k in range(len(finest.blocks)):
+        before = set(np.flatnonzero(g.ancestors[k])) | {k}
+        after = set(np.flatnonzero(g.ancestors[:, k]))
+        cuts.append(step_bound._min_cut(g, dict(g.sizes), to_end=(), before=before, after=after))
+    assert bound.necessary_live_bytes == max(cuts) > 0
+    proxies = step_bound._Proxies(g)
+    position = {b: p for p, b in enumerate(g.order)}
+    for k in range(len(finest.blocks)):
+        live = sum(size for name, size in g.sizes.items() if g.readers.get(name)
+                   and (name in g.inputs or position[g.producer[name]] <= position[k])
+                   and max(position[r] for r in g.readers[name]) > position[k])
+        assert proxies.prefix_in[k] == live
+        assert proxies.forced_in[k] <= cuts[k] <= min(proxies.into[k], proxies.prefix_in[k])
 
 
 @pytest.mark.parametrize("where", [0.0, 0.15, 0.4, 0.8])
