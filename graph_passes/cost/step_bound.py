@@ -233,7 +233,8 @@ class _Proxies:
         return [int(k) for k in np.argsort(-scores, kind="stable")[:count]]
 
 
-def _prefix_live(g: _Graph, names: list[str], dirty_size: np.ndarray, lasting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _prefix_live(g: _Graph, names: list[str], dirty_size: np.ndarray,
+                 lasting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per node, the bytes live across it in the program's own order (made at or before it, or
     a step input, and read after it; for the out weights also values that outlive the step):
     ``in`` and ``out`` (dirty bytes) of the prefix ending at it."""

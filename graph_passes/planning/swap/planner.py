@@ -94,8 +94,8 @@ def _workspace(program: Program, step) -> int:
 
 
 class SwapPlanner:
-    """Belady (or clean-first) eviction with just-in-time swap-ins. Where the copies go in time is decided
-    afterwards: :func:`graph_passes.planning.swap.eviction.issue_swap_outs_early` and
+    """Belady (or clean-first) eviction with just-in-time swap-ins. Where the copies go in time
+    is decided afterwards: :func:`graph_passes.planning.swap.eviction.issue_swap_outs_early` and
     :func:`graph_passes.planning.swap.prefetch.hoist_swap_ins` move them, :mod:`graph_passes.planning.swap.search`
     compares the results."""
 
