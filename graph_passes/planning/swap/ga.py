@@ -27,8 +27,9 @@ feasibility or time. Whole-segment recomputation is chosen one level up: the ste
 its recompute-and-swap candidates first and hands the GA the winner's graph
 (:meth:`graph_passes.planning.driver.StepPlanner.refine`), whose saved values the recompute
 genes then choose from. The first generation also tries the seed with the other victim order,
-the batch-independent small nodes moved (:meth:`_Operators.independent_spread`) and, where recompute genes apply, the tensors cheaper
-to recompute than to copy by several margins (:data:`RECOMPUTE_RATIOS`).
+the batch-independent small nodes moved (:meth:`_Operators.independent_spread`) and, where
+recompute genes apply, the tensors cheaper to recompute than to copy by several margins
+(:data:`RECOMPUTE_RATIOS`).
 
 A genome is decoded as the grid search decodes its candidates (:mod:`graph_passes.planning.swap.search`):
 lowered, Belady-planned, swap-outs issued early, swap-ins hoisted, replayed through the arena
