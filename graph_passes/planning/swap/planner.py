@@ -128,16 +128,17 @@ class SwapPlanner:
             raise ValueError(f"host_state names tensors that are not state inputs: {sorted(unknown)[:3]}")
         # The state on the host when a step starts must be what the previous step left there.
         host_start = forced
+        clean_first = eviction == EVICT_CLEAN_FIRST
         for _ in range(MAX_STEADY_STATE_ROUNDS):
             once = _plan_once(program, sizes, capacity, host_start, force_end=forced, priority=priority,
-                              clean_first=eviction == EVICT_CLEAN_FIRST)
+                              clean_first=clean_first)
             if once.host_end == host_start:
                 return once.plan
             if once.host_end < host_start:
                 break  # state that started on the host ended on the device: send it back
             host_start = host_start | once.host_end  # grows monotonically, so this converges
         return _plan_once(program, sizes, capacity, host_start, force_end=host_start, priority=priority,
-                          clean_first=eviction == EVICT_CLEAN_FIRST).plan
+                          clean_first=clean_first).plan
 
 
 def _needs(program: Program, step) -> set[str]:
