@@ -143,6 +143,9 @@ def _add_transform_command(sub) -> None:
                            help="plan for this device profile's speeds (default: the device itself)")
     transform.add_argument("--plan-time", type=float, default=None,
                            help="seconds of genetic swap search after the grid (GPU profiles; 0: grid only)")
+    transform.add_argument("--plan-evaluations", type=int, default=None,
+                           help="cap on the genetic search's plan evaluations: with it, the plan depends only on "
+                                "the seed, not on this machine's speed")
 
 
 def _add_inspect_command(sub) -> None:
@@ -368,7 +371,7 @@ def _device(args):
         args.device, budget=args.budget, max_block_nodes=args.block_nodes,
         arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
         recompute_policy=getattr(args, "recompute_policy", "input_aware"),
-        plan_time=getattr(args, "plan_time", None),
+        plan_time=getattr(args, "plan_time", None), plan_evaluations=getattr(args, "plan_evaluations", None),
     )
 
 
@@ -611,7 +614,8 @@ def _transform(args) -> int:
     from ort_offload.transform import transform
 
     device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None,
-                                        device_profile=args.device_profile, plan_time=args.plan_time))
+                                        device_profile=args.device_profile, plan_time=args.plan_time,
+                                        plan_evaluations=args.plan_evaluations))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
     sweep_stale_temps(args.output)

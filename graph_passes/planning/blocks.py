@@ -60,6 +60,7 @@ class PlanningTarget:
     plan_time: float = 0.0  # seconds of genetic swap search after the grid (0: grid only)
     updates_early: bool = True  # swap plans may move state updates into the backward
     plan_seed: int = 0
+    plan_evaluations: int | None = None  # a cap on the GA's evaluations (None: time only)
     # Device memory each block's session holds while it exists (the CUDA EP's library
     # handles): a plan of N blocks has N of them less budget for its tensors.
     session_bytes: int = 0

@@ -59,6 +59,9 @@ class OffloadDevice:
     # the search gains a few points of simulated speed for tens of seconds of planning).
     plan_time: float = 0.0
     plan_seed: int = 0  # the genetic search's random seed
+    # A cap on the genetic search's plan evaluations (None: the time limit alone). With a cap
+    # and a generous plan_time, the plan found depends on the seed only, not on the machine's speed.
+    plan_evaluations: int | None = None
 
     @property
     def swap_outs_are_async(self) -> bool:

@@ -45,7 +45,8 @@ def planning_target(graph: TrainingGraph, device: OffloadDevice, *, fetches: Seq
         swap_points=swap_points, fetches=fetches, passes=passes, alignment=device.alignment,
         max_block_nodes=device.max_block_nodes, measure_splits=device.kind == "cpu" and device.planning_profile is None,
         recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
-        plan_time=device.plan_time, plan_seed=device.plan_seed, session_bytes=session_bytes,
+        plan_time=device.plan_time, plan_seed=device.plan_seed,
+        plan_evaluations=device.plan_evaluations, session_bytes=session_bytes,
     )
 
 

@@ -64,7 +64,8 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
         recompute=recompute, recompute_ratio=dict(recompute_ratio or {}),
     )
     started = time.perf_counter()
-    result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed)).search(seed, space)
+    result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed,
+                                         max_evaluations=target.plan_evaluations)).search(seed, space)
     best = result.best
     recomputed = len(result.genome.recomputed) if result.genome is not None else 0
     record = PlanSearch(GA, seconds, best.step_time_s, time.perf_counter() - started, result.generations,

@@ -258,6 +258,8 @@ def test_ga_refines_a_recompute_and_swap_plan_bitwise_equal_and_within_budget(mo
 def test_plan_time_is_checked():
     with pytest.raises(ort_offload.errors.InvalidArgumentError):
         ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=-1)
+    with pytest.raises(ort_offload.errors.InvalidArgumentError):
+        ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=5, plan_evaluations=0)
 
 
 def test_transform_reports_what_it_expects_of_the_plan(tmp_path):
