@@ -85,6 +85,7 @@ class Settings:
     settle_s: float  # idle pause after every step of the interleaved rows
     budgets: tuple[str, ...] = (*FRACTIONS, MINIMUM)
     plan_time: float = 30.0  # the GA's seconds per plan (graph_passes.planning.swap.ga)
+    plan_evaluations: int | None = None  # a cap on the GA's evaluations (rows then depend on the seed alone)
 
 
 QUICK = Settings(mode="quick", models=(("gpt", "tiny"), ("cnn", "tiny")), warmup_steps=1, measured_steps=2, settle_s=0.02,
@@ -109,7 +110,7 @@ def _stats_snapshot(trainer) -> dict[str, float]:
 
 
 def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int, plan_time: float | None = 0.0,
-                     runner_out: list | None = None, passes=None):
+                     runner_out: list | None = None, passes=None, plan_evaluations: int | None = None):
     """The trainer's graph planned for ``profile`` under ``budget_bytes`` (what
     ``ort-offload transform --device-profile`` writes): the runtime's planning, timed on that
     profile instead of this CPU."""
@@ -117,7 +118,8 @@ def plan_for_profile(trainer, batch, *, profile: str, budget_bytes: int, plan_ti
     from graph_passes.ir.shapes import check_inputs
     from ort_offload.runtime.runner import GraphRunner, Runtime
 
-    device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile, plan_time=plan_time)
+    device = ort_offload.set_offload_device("cpu", budget=budget_bytes, planning_profile=profile, plan_time=plan_time,
+                                            plan_evaluations=plan_evaluations)
     runner = GraphRunner(Runtime(device), trainer.graph, fetches=trainer.runner.fetches,
                          passes=trainer.runner.passes if passes is None else passes)
     feeds = {**{n: np.array(trainer.runtime.view(n)) for n in trainer.graph.state_inputs},
@@ -138,7 +140,7 @@ def _default_schedule(model) -> list[int]:
 
 
 def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, plan_time: float, bound: float,
-                   passes=None) -> dict:
+                   passes=None, plan_evaluations: int | None = None) -> dict:
     """One profile, one search: the plan, replayed, against unlimited memory and the bound
     (seconds)."""
     from graph_passes.cost.device_profiles import get_profile
@@ -148,7 +150,8 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
     model = trainer.runner.model
     runners: list = []
     prepared, plan_s = bench.timed(lambda: plan_for_profile(trainer, batch, profile=name, budget_bytes=budget_bytes,
-                                                            plan_time=plan_time, runner_out=runners, passes=passes))
+                                                            plan_time=plan_time, runner_out=runners, passes=passes,
+                                                            plan_evaluations=plan_evaluations))
     unlimited = unlimited_time(unplanned.program, unplanned.infos, model=model, profile=profile)
     planned = prepared.model if prepared.model is not None else model  # rewritten by split or recompute
     (trace, sim_s) = bench.timed(lambda: simulate_time(prepared.program, prepared.infos, model=planned,
@@ -179,19 +182,20 @@ def _simulated_row(trainer, batch, unplanned, *, name: str, budget_bytes: int, p
     }
 
 
-def _recompute_row(row: dict, *, plan_time: float, bound: float) -> dict:
+def _recompute_row(row: dict, *, plan_time: float, bound: float, plan_evaluations: int | None = None) -> dict:
     """The GA row with recompute allowed beside the trainer's own passes (split stays where
     the minimum budget needs it); a budget they cannot plan is reported, not raised."""
     from ort_offload.errors import BudgetTooSmallError
 
     passes = tuple(dict.fromkeys((*row["trainer"].runner.passes, *RECOMPUTE_AND_SWAP)))
     try:
-        return _simulated_row(**row, plan_time=plan_time, bound=bound, passes=passes)
+        return _simulated_row(**row, plan_time=plan_time, bound=bound, passes=passes, plan_evaluations=plan_evaluations)
     except BudgetTooSmallError as e:
         return {"status": "budget_too_small", "error": str(e), "passes": list(passes)}
 
 
-def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) -> dict[str, dict[str, Any]]:
+def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float,
+             plan_evaluations: int | None = None) -> dict[str, dict[str, Any]]:
     """Per profile of :data:`PROFILES`: the graph planned for that profile and this budget by
     the grid and by the GA after it, replayed on it, vs the unplanned program's compute and
     the step-time lower bound."""
@@ -206,9 +210,9 @@ def simulate(trainer, batch, unplanned, *, budget_bytes: int, plan_time: float) 
                                                              profile=get_profile(name), budget=budget_bytes))
         row = dict(trainer=trainer, batch=batch, unplanned=unplanned, name=name, budget_bytes=budget_bytes)
         grid = _simulated_row(**row, plan_time=0.0, bound=bound.seconds)
-        ga = _simulated_row(**row, plan_time=plan_time, bound=bound.seconds)
+        ga = _simulated_row(**row, plan_time=plan_time, bound=bound.seconds, plan_evaluations=plan_evaluations)
         # Recompute allowed too: the bound of swap plans does not hold, compute alone does.
-        ga_rc = _recompute_row(row, plan_time=plan_time, bound=bound.compute_s)
+        ga_rc = _recompute_row(row, plan_time=plan_time, bound=bound.compute_s, plan_evaluations=plan_evaluations)
         out[name] = {**grid, "ga": ga, "ga_recompute": ga_rc,
                      "bound": {**dataclasses.asdict(bound), "arithmetic": bound.describe(), "wall_s": bound_s}}
     return out
@@ -390,7 +394,8 @@ def _row_fields(trainer, prepared, reference: _Reference, steps: _InterleavedSte
     n = settings.measured_steps
     before, after = steps.before, steps.after
     median, ref_median = bench.median(measured), bench.median(steps.ref_turn_times)
-    sim = simulate(trainer, batches[0], reference.unplanned, budget_bytes=budget_bytes, plan_time=settings.plan_time)
+    sim = simulate(trainer, batches[0], reference.unplanned, budget_bytes=budget_bytes, plan_time=settings.plan_time,
+                   plan_evaluations=settings.plan_evaluations)
     peak = report["peak_device_bytes"]
     baseline_peak = reference.baseline_peak
     return dict(
@@ -496,6 +501,7 @@ def run(settings: Settings, *, log: Callable[[str], None]) -> dict[str, Any]:
             "measured_steps": settings.measured_steps,
             "settle_s": settings.settle_s,
             "plan_time_s": settings.plan_time,
+            "plan_evaluations": settings.plan_evaluations,
             "optimizer": "adamw",
             "device": "cpu",
             "profiles": list(PROFILES),
@@ -598,6 +604,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help="comma-separated model:config pairs (default: gpt and cnn)")
     parser.add_argument("--budgets", default=None, help="comma-separated budgets among 1.0x, 0.5x, 0.25x, min")
     parser.add_argument("--plan-time", type=float, default=None, help="seconds of genetic search per GA plan")
+    parser.add_argument("--plan-evaluations", type=int, default=None,
+                        help="cap on each GA plan's evaluations (with a generous --plan-time: rows independent of load)")
     return parser.parse_args(argv)
 
 
@@ -623,6 +631,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         if args.plan_time < 0:
             raise SystemExit("--plan-time must be >= 0")
         changes["plan_time"] = args.plan_time
+    if args.plan_evaluations is not None:
+        if args.plan_evaluations < 1:
+            raise SystemExit("--plan-evaluations must be >= 1")
+        changes["plan_evaluations"] = args.plan_evaluations
     return dataclasses.replace(settings, **changes)
 
 

@@ -18,13 +18,14 @@ TIMEOUT_S = 900  # the quick run takes ~60 s on 2 cores (several under load); th
 MODELS = {("gpt", "tiny"), ("cnn", "tiny")}
 BUDGETS = ["1.0x", "0.5x", "0.25x", "min"]
 PROFILES = ("V100-16GB-PCIe3", "H100")
+EVALUATIONS = 40  # the quick run's cap on each GA plan's evaluations
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("swap")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.swap", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.swap", "--quick", "--plan-evaluations", str(EVALUATIONS), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
         env={**os.environ, "COLUMNS": "200"},
     )
@@ -113,8 +114,10 @@ def test_step_times_ratios_and_simulated_percentages(quick_run):
             if rc.get("status") == "budget_too_small":  # recompute and swap cannot plan this budget
                 continue
             assert rc["lower_bound_s"] == bound["compute_s"] <= rc["step_time_s"] * (1 + 1e-9)
+            assert ga["plan_search"] is None or ga["plan_search"]["evaluations"] <= EVALUATIONS
             if rc["plan_search"] is not None:  # None where the budget needs no pass
                 assert rc["plan_search"]["step_time_s"] <= rc["plan_search"]["grid_step_time_s"] * (1 + 1e-9)
+    assert result["settings"]["plan_evaluations"] == EVALUATIONS
     assert {t["model"] for t in result["targets"]} == {m for m, _ in MODELS}
     for target in result["targets"]:
         assert target["met"] == (target["value_pct"] >= target["target_pct"])
