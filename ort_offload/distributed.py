@@ -15,13 +15,16 @@ surface as :class:`~ort_offload.errors.DistributedError` on the others.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
 import hashlib
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -169,13 +172,16 @@ class CommStats:
 
 
 class GradientReducer:
-    """Averages arrays across the ranks of a group, in place (torch tensors over their memory)."""
+    """Averages arrays across the ranks of a group, in place (torch tensors over their memory).
+
+    Every reducer lets go of its group when the interpreter exits (:func:`_release_groups`)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        _LIVE_REDUCERS.add(self)
 
     def reduce(self, array: np.ndarray, owner: int | None) -> None:
         """Sum ``array`` over the ranks, in place, into ``owner``'s copy (None: every rank's)."""
@@ -209,6 +215,21 @@ class GradientReducer:
     def barrier(self, what: str) -> None:
         with collective(self.rank, what):
             dist.barrier(group=self.group)
+
+
+# A gloo process group that outlives ``destroy_process_group`` because something still refers
+# to it is destroyed during the interpreter's teardown, where its threads abort the process
+# ("terminate called without an active exception", about one exit in four under torchrun).
+# At exit, before that teardown, every reducer drops its reference, so a destroyed group goes
+# while the interpreter still runs; a group not destroyed stays torch's (its registry holds it).
+_LIVE_REDUCERS: "weakref.WeakSet[GradientReducer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups() -> None:
+    for reducer in list(_LIVE_REDUCERS):
+        reducer.group = None
+    gc.collect()
 
 
 class collective:
@@ -371,7 +392,6 @@ class DistributedTrainer(OrtTrainer):
         """As :class:`OrtTrainer`, with ``example_batch`` this rank's shard."""
         if device.kind != "cpu":
             raise UnknownDeviceError(f"data-parallel training runs on the CPU device (gloo) for now, not {device.name}")
-        self.group = process_group
         self.reducer = GradientReducer(process_group)
         self.rank, self.world_size = self.reducer.rank, self.reducer.world_size
         check_agreement(self.reducer, start_facts(graph, device, options.get("example_batch", {}),
