@@ -29,6 +29,7 @@ from graph_passes.ir.program import Program, order_dependent_last
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
 from graph_passes.planning.choice import Infeasible, ProgramChoice, RewriteOutcome
+from graph_passes.planning.greedy_schedule import memory_greedy
 from graph_passes.planning.minimum import least_budget
 from graph_passes.planning.partition import refine_blocks
 from graph_passes.planning.recompute.signatures import RecomputePlanning
@@ -331,12 +332,12 @@ class StepPlanner:
         """The fastest swap plan within ``budget`` over the lowered ``programs`` (simulated on
         the planning profile), the least budget any of them needs, and the plan's simulated step
         time (``refine``: then searched further, :func:`refine_swap_plan`, where copies overlap
-        compute). Where copies overlap compute, the same
-        graph is also planned with its state updates as soon as their gradients exist
-        (:func:`graph_passes.planning.schedule.updates_early`), and the faster schedule wins."""
+        compute). Where copies overlap compute, the same graph is also planned in other
+        schedules (:meth:`_other_schedules`), and the fastest schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
         if self.target.profile().copies_overlap_compute and self.target.swap_points is None and self.target.updates_early:
-            best, needed = self._plan_updates_early(programs, infos, budget, model, best, needed)
+            for label, schedule in self._other_schedules(programs, infos, model):
+                best, needed = self._plan_other_schedule(label, schedule, infos, budget, model, best, needed)
         if best is None:
             return SwapsFound(None, needed)
         if refine and self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
@@ -351,26 +352,40 @@ class StepPlanner:
         self.last_plan_search = PlanSearch(GRID, best[1], best[1], 0.0)
         return SwapsFound(best[0], needed, best[1])
 
-    def _plan_updates_early(self, programs, infos, budget: int, model: onnx.ModelProto, best, needed: int):
-        """``best`` ((choice, seconds) or None) against the plan of the same graph with its
-        state updates early; the faster, and the least budget of both."""
+    def _other_schedules(self, programs, infos, model: onnx.ModelProto):
+        """(label, schedule) of the orders planned beside the given one: state updates as soon as
+        their gradients exist (:func:`graph_passes.planning.schedule.updates_early`), and the
+        memory-greedy order (:func:`graph_passes.planning.greedy_schedule.memory_greedy`) with
+        its state updates early too (the greedy rule alone leaves an update, which makes new
+        state and frees little, for later). Both move state updates into the backward, so
+        neither where the target keeps them after it."""
         graph = self.target.graph
         base = [i for block in programs[0].blocks for i in block.node_indices]
         spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])
         early = updates_early(model, spine, base) if spine is not None else None
         if early is not None:
-            try:
-                early_programs = list(self.layouts.lowerings(model, infos, early))
-            except ValueError as e:  # not a topological order (seen on split graphs): a speed-up only
-                logger.info("swap plan for %s: no state-updates-early order (%s); the given order stays",
-                            graph.name, e)
-                return best, needed
-            other, other_needed = self._plan_swaps_for(early_programs, infos, budget, model, early)
-            needed = min(needed, other_needed)
-            if other is not None and (best is None or other[1] < best[1]):
-                logger.info("swap plan for %s: state updates early (%.3g s simulated) over the given order (%s)",
-                            graph.name, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
-                best = other
+            yield "state updates early", early
+        greedy = memory_greedy(model, infos, base)
+        if greedy is not None:
+            greedy_early = updates_early(model, spine, greedy) if spine is not None else None
+            yield "memory-greedy order", greedy_early or greedy
+
+    def _plan_other_schedule(self, label: str, schedule, infos, budget: int, model: onnx.ModelProto, best,
+                             needed: int):
+        """``best`` ((choice, seconds) or None) against the plan of the same graph in
+        ``schedule``; the faster, and the least budget of both."""
+        name = self.target.graph.name
+        try:
+            programs = list(self.layouts.lowerings(model, infos, schedule))
+        except ValueError as e:  # not a topological order (seen on split graphs): a speed-up only
+            logger.info("swap plan for %s: no %s (%s); the given order stays", name, label, e)
+            return best, needed
+        other, other_needed = self._plan_swaps_for(programs, infos, budget, model, schedule)
+        needed = min(needed, other_needed)
+        if other is not None and (best is None or other[1] < best[1]):
+            logger.info("swap plan for %s: %s (%.3g s simulated) over the order before (%s)",
+                        name, label, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
+            best = other
         return best, needed
 
     def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
