@@ -1,7 +1,8 @@
 """Stepping thread's CPU time per phase of a step (gpt tiny, unbudgeted), inclusive per wrapped call.
 
-python benchmarks/results/2026-12-01/overhead4/phases.py [max_block_nodes|auto] [steps] [noop]
-'noop': every run_with_iobinding replaced by a no-op after warm-up (what only costs when ORT runs).
+python benchmarks/results/2026-12-01/overhead4/phases.py [max_block_nodes|auto] [steps] [noop|flushK|sleepN]
+'noop': every run_with_iobinding replaced by a no-op after warm-up (what only costs when ORT runs);
+'flushK': the no-op writes K KiB of scratch memory instead (evicting the caches as kernels would).
 """
 import collections, gc, statistics, sys, time
 import onnxruntime; onnxruntime.set_default_logger_severity(3)
@@ -11,12 +12,21 @@ from ort_offload.export import optimizers
 
 nodes = None if len(sys.argv) < 2 or sys.argv[1] == "auto" else int(sys.argv[1])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
-noop = len(sys.argv) > 3 and sys.argv[3] == "noop"
+noop = len(sys.argv) > 3 and sys.argv[3] in ("noop",) or len(sys.argv) > 3 and sys.argv[3].startswith("flush")
+import numpy as np
+scratch = np.zeros(int(sys.argv[3][5:]) * 1024 if len(sys.argv) > 3 and sys.argv[3].startswith("flush") else 0, np.uint8)
 # 'sleepN': sleep N µs after every ORT call, inside its timed window (outside figures stay clean)
 after_s = float(sys.argv[3][5:]) * 1e-6 if len(sys.argv) > 3 and sys.argv[3].startswith("sleep") else 0.0
 spec = get_model("gpt", "tiny")
 inputs, targets = spec.make_batch(8, spec.default_seq)
-dev = ort_offload.set_offload_device("cpu", budget=None, max_block_nodes=nodes)
+import os
+# ORT_THREADS=1: blocks run single-threaded; ORT_SPIN=0: no spinning pools (experiments only)
+if os.environ.get("ORT_SPIN") == "0":
+    from ort_offload.runtime import runner as _runner
+    _options = _runner.Runtime.session_options
+    _runner.Runtime.session_options = lambda self, *, spinning, serial=False: _options(self, spinning=False, serial=serial)
+dev = ort_offload.set_offload_device("cpu", budget=None, max_block_nodes=nodes,
+                                     intra_op_threads=int(os.environ.get("ORT_THREADS", "0")))
 tr = ort_offload.create_ort_trainer(dev, spec.model, example_inputs=inputs, example_targets=targets, loss_fn=spec.loss_fn,
     input_names=list(spec.input_names), target_names=list(spec.target_names), dynamic_axes=spec.dynamic_axes,
     name="gpt-tiny", optimizer=optimizers.make_optimizer("adamw"))
@@ -49,7 +59,7 @@ def wrap(obj, attr, label, fn=None, pause=0.0):
 
 sessions = {id(v.session): v.session for s in tr.runner._sessions.values() for v in s._variants.values()}
 for s in sessions.values():
-    wrap(s, "run_with_iobinding", "ORT", (lambda b, *a: None) if noop else None, pause=after_s)
+    wrap(s, "run_with_iobinding", "ORT", (lambda b, *a: scratch.fill(1)) if noop else None, pause=after_s)
 rt, runner, arena = tr.runtime, tr.runner, tr.runtime.arena
 wrap(tr, "_feeds", "trainer._feeds")
 wrap(tr, "_prepare", "trainer._prepare")
@@ -66,6 +76,8 @@ wrap(arena, "read_at", "arena.read_at")
 wrap(arena, "adopt", "arena.adopt")
 wrap(arena.allocator, "restore", "allocator.restore")
 wrap(arena, "cover", "arena.cover")
+wrap(arena, "holds_all", "arena.holds_all")
+wrap(arena, "set_capacity", "arena.set_capacity")
 wrap(arena, "all_finite", "arena.all_finite")
 gc_ns = [0, 0]
 def gc_cb(phase, info, _t=[0]):
@@ -97,7 +109,7 @@ for _ in range(steps):
         rows[k].append(v)
 ncalls = {k: v / steps for k, v in calls.items()}
 blocks = len(runner.last_prepared.program.blocks)
-print(f"blocks={blocks} steps={steps} noop={noop} sleep after ORT={after_s*1e6:.0f} us wrapper cost ~{cal:.0f} ns/call (included in the figures)")
+print(f"blocks={blocks} steps={steps} noop={noop} flush={scratch.size >> 10} KiB sleep after ORT={after_s*1e6:.0f} us wrapper cost ~{cal:.0f} ns/call (included in the figures)")
 print(f"{'phase':24s} {'median us':>10s} {'mean us':>10s} {'calls/step':>10s} {'faults/step':>11s}")
 for k, v in rows.items():
     print(f"{k:24s} {statistics.median(v)/1e3:10.1f} {statistics.fmean(v)/1e3:10.1f} {ncalls.get(k, 1):10.1f} {faults.get(k, 0) / steps:11.2f}")
