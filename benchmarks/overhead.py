@@ -284,7 +284,9 @@ class _OrtTimer:
     session objects for the profile phase only, removed after)."""
 
     def __init__(self, trainer) -> None:
-        self.sessions = [s.session for s in getattr(trainer.runner, "_sessions", {}).values()]
+        # Blocks with the same content share one session: each is wrapped once.
+        sessions = {id(s.session): s.session for s in getattr(trainer.runner, "_sessions", {}).values()}
+        self.sessions = list(sessions.values())
         self.total_s = 0.0
         self.cpu_s = 0.0  # the calling thread's CPU time in them
 

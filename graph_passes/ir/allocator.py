@@ -52,6 +52,8 @@ class BestFitAllocator:
         self._sizes: list[int] = []
         self._top = 0  # end of the highest allocation ever extended to (current frontier)
         self._placements: dict[str, Placement] = {}
+        # The three structures above are another allocator's too (restore): copied before a change.
+        self._shared = False
         self.in_use = 0
         self.high_water = 0  # highest address ever in use
         self.peak_in_use = 0
@@ -63,6 +65,12 @@ class BestFitAllocator:
     def _free(self) -> list[tuple[int, int]]:
         """The holes as sorted (offset, size) pairs."""
         return list(zip(self._starts, self._sizes))
+
+    def _own(self) -> None:
+        """Copy the holes and placements :meth:`restore` took from another allocator, before
+        this one changes them."""
+        self._starts, self._sizes, self._placements = list(self._starts), list(self._sizes), dict(self._placements)
+        self._shared = False
 
     def _add_hole(self, offset: int, size: int) -> None:
         i = bisect.bisect_left(self._starts, offset)
@@ -104,6 +112,8 @@ class BestFitAllocator:
         frontier space there); only if none fits does the allocation go anywhere."""
         if name in self._placements:
             raise ValueError(f"{name!r} is already allocated")
+        if self._shared:
+            self._own()
         alignment = self.alignment
         size = max(alignment, (int(nbytes) + alignment - 1) // alignment * alignment)  # align_up, inlined
         if region is not None:
@@ -186,6 +196,8 @@ class BestFitAllocator:
         the frontier, or a trailing hole and the space above it. Raises ValueError if it is not."""
         if name in self._placements:
             raise ValueError(f"{name!r} is already allocated")
+        if self._shared:
+            self._own()
         size = align_up(nbytes, self.alignment)
         end = offset + size
         if offset % self.alignment or offset < 0 or (self.capacity is not None and end > self.capacity):
@@ -236,16 +248,21 @@ class BestFitAllocator:
         return offset
 
     def restore(self, other: "BestFitAllocator") -> None:
-        """Take ``other``'s placements, holes and frontier (copies; not its capacity); the
-        high-water marks keep the larger of both (``other`` is a replay of this allocator's next step)."""
-        self._starts, self._sizes = list(other._starts), list(other._sizes)
+        """Take ``other``'s placements, holes and frontier (not its capacity); the high-water
+        marks keep the larger of both (``other`` is a replay of this allocator's next step).
+        They are shared, not copied: whichever of the two changes them first copies them then
+        (a placed step's end state is taken every other step and seldom changed; a copy of its
+        hundred placements would touch every one of them, out of cache after the step's kernels)."""
+        self._starts, self._sizes, self._placements = other._starts, other._sizes, other._placements
+        self._shared = other._shared = True
         self._top = other._top
-        self._placements = dict(other._placements)
         self.in_use = other.in_use
         self.high_water = max(self.high_water, other.high_water)
         self.peak_in_use = max(self.peak_in_use, other.peak_in_use)
 
     def free(self, name: str) -> None:
+        if self._shared:
+            self._own()
         placement = self._placements.pop(name, None)
         if placement is None:
             self._placed(name)  # raises, naming it
@@ -271,6 +288,8 @@ class BestFitAllocator:
         """``name``'s bytes become consecutive tensors ``pieces`` ((name, bytes) in order; every
         size but the last a multiple of the alignment), each freed on its own later (a split
         view). Nothing moves and no byte is added."""
+        if self._shared:
+            self._own()
         placement = self._placed(name)
         sizes = [align_up(nbytes, self.alignment) for _, nbytes in pieces]
         if sum(sizes) != placement.nbytes or any(nbytes % self.alignment for _, nbytes in pieces[:-1]):
@@ -287,6 +306,8 @@ class BestFitAllocator:
         """The tensor at ``old`` is now known as ``new`` (state that became the next step's input)."""
         if new in self._placements:
             raise ValueError(f"{new!r} is already allocated")
+        if self._shared:
+            self._own()
         self._placements[new] = self._placed(old)
         del self._placements[old]
 
@@ -323,6 +344,8 @@ class BestFitAllocator:
     def compact(self) -> list[tuple[str, int, int]]:
         """Slide every live tensor down to close all holes; returns (name, old, new) offsets in
         ascending order, which is a safe order to move the bytes in."""
+        if self._shared:
+            self._own()
         moves = []
         cursor = 0
         for name, placement in sorted(self._placements.items(), key=lambda item: item[1].offset):

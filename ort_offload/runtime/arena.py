@@ -94,6 +94,7 @@ class DeviceArena:
         self.buffer = self.memory.allocate(0, alignment)
         self._base = self.memory.pointer(self.buffer, 0)  # the buffer's address (pointer() adds offsets)
         self._infos: dict[str, TensorInfo] = {}
+        self._infos_shared = False  # _infos is a placed step's too (adopt): copied before a change
         # The object standing for the placements now (state_token), None until asked for or
         # after they change; equal placements get the same object (the placed steps' keys).
         self._token: object | None = None
@@ -182,6 +183,8 @@ class DeviceArena:
                 self.allocator.allocate(name, info.nbytes)
         else:
             self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
+        if self._infos_shared:
+            self._own_infos()
         self._infos[name] = info
         self._token = None
         if not self.eager:
@@ -194,7 +197,7 @@ class DeviceArena:
             for name, info in tensors:
                 self.allocate(name, info)
             return
-        allocate, infos = self.allocator.allocate, self._infos
+        allocate, infos = self.allocator.allocate, self._own_infos()
         self._token = None
         for name, info in tensors:
             try:
@@ -210,8 +213,9 @@ class DeviceArena:
         self.allocate(name, info, region=region)
         self.allocator.partition(name, [(piece, piece_info.nbytes) for piece, piece_info in pieces])
         self._token = None
-        del self._infos[name]
-        self._infos.update(pieces)
+        infos = self._own_infos()
+        del infos[name]
+        infos.update(pieces)
 
     def compact(self) -> None:
         """Close the holes by moving tensors down. Pointers change; block sessions rebind on
@@ -231,12 +235,14 @@ class DeviceArena:
 
     def free(self, name: str) -> None:
         self.allocator.free(name)
+        if self._infos_shared:
+            self._own_infos()
         del self._infos[name]
         self._token = None
 
     def free_all(self, names) -> None:
         """:meth:`free` each of ``names``, in order."""
-        free, infos = self.allocator.free, self._infos
+        free, infos = self.allocator.free, self._own_infos()
         self._token = None
         for name in names:
             free(name)
@@ -244,7 +250,8 @@ class DeviceArena:
 
     def rename(self, old: str, new: str) -> None:
         self.allocator.rename(old, new)
-        self._infos[new] = self._infos.pop(old)
+        infos = self._own_infos()
+        infos[new] = infos.pop(old)
         self._token = None
 
     # ---- placed steps (ort_offload.runtime.placed_steps) ----------------------------------
@@ -270,12 +277,22 @@ class DeviceArena:
     def adopt(self, placed, infos: dict[str, TensorInfo], token: object, *, capacity: int | None) -> None:
         """Take the placements a replay of a step ended in (``placed``, a BestFitAllocator
         whose start was this arena's state), the tensors' ``infos`` and the ``token`` of that
-        state; ``capacity``: the cap the step left (None: keep this one)."""
+        state; ``capacity``: the cap the step left (None: keep this one). Both are shared with
+        the caller, who keeps them unchanged, and copied here before the arena changes them
+        (a copy would touch every tensor's entry each step, out of cache after the kernels)."""
         self.allocator.restore(placed)
         if capacity is not None:
             self.allocator.capacity = capacity
-        self._infos = dict(infos)
+        self._infos = infos
+        self._infos_shared = True
         self._token = token
+
+    def _own_infos(self) -> dict[str, TensorInfo]:
+        """:attr:`_infos`, to change: first a copy of it where :meth:`adopt` shares it."""
+        if self._infos_shared:
+            self._infos = dict(self._infos)
+            self._infos_shared = False
+        return self._infos
 
     def cover(self, extent: int) -> None:
         """Back and allow ``extent`` bytes before a placed step reaches that far (what

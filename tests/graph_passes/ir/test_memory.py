@@ -96,6 +96,55 @@ def test_random_sequences_never_overlap_and_account_exactly(sequence):
         assert a.peak_in_use <= a.high_water
 
 
+def _run_ops(allocator, sequence, prefix: str) -> None:
+    """Allocate or free as ``sequence`` says (frees pick among the live tensors)."""
+    live = {n: allocator.placement(n).nbytes for n in allocator.names()}
+    for i, (do_alloc, size) in enumerate(sequence):
+        if do_alloc or not live:
+            allocator.allocate(f"{prefix}{i}", size)
+            live[f"{prefix}{i}"] = align_up(size)
+        else:
+            _free_some(allocator, live, size)
+
+
+def _state(allocator):
+    return allocator.layout(), allocator._free, allocator.high_water_live(), allocator.in_use
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, ops, st.booleans())
+def test_a_restored_allocator_and_the_one_it_took_from_change_independently(first, then, change_source):
+    """restore shares the other allocator's holes and placements: whichever changes, the other
+    stays as it was, and the changed one ends as a copy changed the same way would."""
+    source = BestFitAllocator(alignment=64)
+    _run_ops(source, first, "s")
+    target = BestFitAllocator(alignment=64)
+    target.restore(source)
+    changed, unchanged = (source, target) if change_source else (target, source)
+    expected_unchanged, reference = _state(unchanged), unchanged.clone()
+    _run_ops(changed, then, "u")
+    _run_ops(reference, then, "u")
+    assert _state(unchanged) == expected_unchanged
+    assert _state(changed) == _state(reference)
+    changed.check_no_overlap()
+
+
+def test_every_change_to_a_restored_allocator_leaves_its_source_alone():
+    source = BestFitAllocator(alignment=64)
+    for name in "abcd":
+        source.allocate(name, 100)
+    source.free("b")
+    before = _state(source)
+    for change in (lambda a: a.allocate("e", 10), lambda a: a.place_at("e", 64, 128), lambda a: a.free("a"),
+                   lambda a: a.rename("a", "z"), lambda a: a.partition("a", [("a0", 64), ("a1", 64)]),
+                   lambda a: a.compact(), lambda a: a.limit(3 * 128)):
+        target = BestFitAllocator(alignment=64)
+        target.restore(source)
+        change(target)
+        assert _state(target) != before
+        assert _state(source) == before
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_arena_compaction_keeps_every_tensor_intact(sequence):
