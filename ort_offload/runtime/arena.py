@@ -183,9 +183,7 @@ class DeviceArena:
                 self.allocator.allocate(name, info.nbytes)
         else:
             self._move(self.allocator.allocate_or_compact(name, info.nbytes, region=region))
-        if self._infos_shared:
-            self._own_infos()
-        self._infos[name] = info
+        self._own_infos()[name] = info
         self._token = None
         if not self.eager:
             self._back()
@@ -235,9 +233,7 @@ class DeviceArena:
 
     def free(self, name: str) -> None:
         self.allocator.free(name)
-        if self._infos_shared:
-            self._own_infos()
-        del self._infos[name]
+        del self._own_infos()[name]
         self._token = None
 
     def free_all(self, names) -> None:
