@@ -7,7 +7,7 @@ Notation: ``C`` is the compute of every node (the cost model's node times), ``B`
 inputs) that a node outside ``W`` reads, and ``out(W)`` the bytes of the values *made by nodes*
 in ``W`` that a node outside ``W`` reads or that outlive the step (updated state, fetches).
 
-Three bounds; the step is at least the largest (:class:`StepTimeBound`):
+Five bounds; the step is at least the largest (:class:`StepTimeBound`):
 
 - **Compute**: ``C`` (plus one block's launch cost).
 - **Link, whole step** (``link_s``): at a node ``n``, whatever the schedule, the values live
@@ -29,6 +29,16 @@ Three bounds; the step is at least the largest (:class:`StepTimeBound`):
   over closed sets between ``k``'s ancestors and its descendants: a minimum cut where values
   cost their bytes over the rate and nodes their compute on the side the bound counts it. At
   the :data:`CUT_POINTS` nodes whose ancestor sets score highest.
+
+- **Round trip at a node** (``round_trip_s``). Same plan, node ``k``, block ``b`` and ``W``;
+  look at the moment ``b`` ends. Of the values ``W`` leaves live, all but at most ``B`` bytes
+  are not on the device then (those ``b`` reads are); each of those was copied out before that
+  moment (a value a node made: its room is free only when its copy out ends) and is copied back
+  in after it (a later block reads it, and a copy in holds its room from its start). So the two directions of the link cannot overlap on
+  them: ``T >= (out(W) - B)/r_out + (in(W) - B)/r_in``, where the whole-step link bound lets
+  them share the link's duplex rate. Minimised over the same closed sets by one minimum cut
+  (a value costs ``bytes/r_in``, plus ``bytes/r_out`` if a node made it), at the nodes whose
+  ``W0`` weighs most by that measure.
 
 - **Room to copy** (``capacity_s``). While a block runs, its inputs, its outputs and the values
   born and dead inside it are on the device, so for every node ``k`` in it at least ``M_k``
@@ -77,7 +87,7 @@ _PS = 1e12  # the split bound's capacities: picoseconds, rounded down
 class StepTimeBound:
     """The bound and its arithmetic."""
 
-    seconds: float  # max(compute_s, link_s, split_s, capacity_s)
+    seconds: float  # max(compute_s, link_s, split_s, capacity_s, round_trip_s)
     compute_s: float
     link_s: float
     budget_bytes: int
@@ -88,6 +98,8 @@ class StepTimeBound:
     split: str = ""  # its arithmetic
     capacity_s: float = 0.0  # the room-to-copy bound (module docstring)
     under_compute_bytes: tuple[int, int] = (0, 0)  # (in, out): the most any plan copies while computing
+    round_trip_s: float = 0.0  # the round-trip bound (module docstring)
+    round_trip: str = ""  # its arithmetic
 
     def describe(self) -> str:
         """One line of the arithmetic (for reports and the benchmark's README)."""
@@ -96,6 +108,7 @@ class StepTimeBound:
                 f"{self.necessary_live_bytes / 2**20:.1f} MiB necessarily live vs a "
                 f"{self.budget_bytes / 2**20:.1f} MiB budget")
         text += f"; split {self.split_s * 1e3:.3f} ms: {self.split}" if self.split else ""
+        text += f"; round trip {self.round_trip_s * 1e3:.3f} ms: {self.round_trip}" if self.round_trip else ""
         if self.capacity_s > self.compute_s:
             text += (f"; room to copy {self.capacity_s * 1e3:.3f} ms: at most {self.under_compute_bytes[0] / 2**20:.1f}"
                      f" MiB in, {self.under_compute_bytes[1] / 2**20:.1f} MiB out under compute")
@@ -173,8 +186,9 @@ def step_time_bound(
     link = link_time(h2d, d2h, profile)
     split, how = _split_bound(graph, proxies, profile, budget, cut_points)
     capacity, under = _capacity_bound(graph, profile, budget, compute, h2d, d2h)
-    return StepTimeBound(max(compute, link, split, capacity), compute, link, budget, live, h2d, d2h, split, how,
-                         capacity, under)
+    round_trip, trip = _round_trip_bound(graph, proxies, profile, budget, cut_points)
+    return StepTimeBound(max(compute, link, split, capacity, round_trip), compute, link, budget, live, h2d, d2h,
+                         split, how, capacity, under, round_trip, trip)
 
 
 def _capacity_bound(g: _Graph, profile: DeviceProfile, budget: int, compute: float, h2d: int,
@@ -297,6 +311,24 @@ def _split_bound(g: _Graph, proxies: _Proxies, profile: DeviceProfile, budget: i
                 seconds = cut + float(np.sum(g.times[sorted(after)])) - budget / r_out
             if seconds > best:
                 best, how = seconds, f"{label} node {k}"
+    return best, how
+
+
+def _round_trip_bound(g: _Graph, proxies: _Proxies, profile: DeviceProfile, budget: int,
+                      points: int) -> tuple[float, str]:
+    """The round-trip bound (module docstring) at the best-scoring nodes, and its arithmetic."""
+    r_in, r_out = profile.h2d_bandwidth, profile.d2h_bandwidth
+    weights = {name: int((size / r_in + (0.0 if name in g.inputs else size / r_out)) * _PS)
+               for name, size in g.sizes.items()}
+    scores = (proxies.into / r_in + proxies.out / r_out, proxies.forced_in / r_in + proxies.forced_out / r_out,
+              proxies.prefix_in / r_in + proxies.prefix_out / r_out)
+    best, how = 0.0, ""
+    for k in sorted({k for score in scores for k in _Proxies.top(score, points)}):
+        before = set(np.flatnonzero(g.ancestors[k])) | {k}
+        after = set(np.flatnonzero(g.ancestors[:, k]))
+        seconds = _min_cut(g, weights, to_end=(), before=before, after=after) / _PS - budget / r_in - budget / r_out
+        if seconds > best:
+            best, how = seconds, f"out then back in across node {k}"
     return best, how
 
 

@@ -9,10 +9,12 @@ import dataclasses
 import random
 
 import numpy as np
+import onnx.parser
 import pytest
 
 import ort_offload
 from graph_passes.ir import shapes
+from graph_passes.ir.training_graph import Role, TrainingGraph
 from graph_passes.cost.device_profiles import V100_16GB_PCIE3
 from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, _Operators, decode, seed_genome
 from graph_passes.planning.swap.planner import EVICT_BELADY, EVICT_CLEAN_FIRST, EVICTION_ORDERS, SwapPlanner
@@ -30,11 +32,33 @@ OPS = ["MatMul", "Relu", "MatMul", "Sigmoid", "Add", "MatMul", "Exp", "Concat", 
 
 
 def _chain_space(width=64, where=0.3):
-    graph = chain_graph(OPS, width=width)
-    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, chain_feeds(width)))
+    return _space(chain_graph(OPS, width=width), chain_feeds(width), where)
+
+
+def _u_graph(depth=8, rows=64, width=32):
+    """A forward and a backward-like chain: ``a_i = Tanh(a_{i-1} w)``, then ``g_{i-1} = g_i *
+    a_{i-1}`` back down to ``x``, and ``w`` updated by ``x^T g_0``: every activation is made in
+    the first half and read again, in reverse order, in the second (what a training step does)."""
+    lines = [f"m{i} = MatMul(a{i - 1}, w)\n a{i} = Tanh(m{i})" for i in range(1, depth + 1)]
+    lines += [f"g{i - 1} = Mul(g{i}, a{i - 1})" for i in range(depth, 0, -1)]
+    text = (f"<ir_version: 9, opset_import: [\"\" : 20]>\n"
+            f"u (float[{rows}, {width}] a0, float[{width}, {width}] w) => (float loss, float[{width}, {width}] w_new) {{\n"
+            + "\n".join(lines[:depth]) + f"\n loss = ReduceSum<keepdims = 0>(a{depth})\n g{depth} = Sigmoid(a{depth})\n"
+            + "\n".join(lines[depth:]) + "\n xt = Transpose(a0)\n gw = MatMul(xt, g0)\n w_new = Sub(w, gw)\n}")
+    model = onnx.parser.parse_model(text)
+    roles = {"a0": Role.INPUT, "w": Role.PARAM, "loss": Role.LOSS, "w_new": Role.PARAM}
+    rng = np.random.default_rng(0)
+    feeds = {"a0": rng.standard_normal((rows, width)).astype(np.float32),
+             "w": rng.standard_normal((width, width)).astype(np.float32) * 0.1}
+    return TrainingGraph(model, roles, {"w": "w_new"}, name="u"), feeds
+
+
+def _space(graph, feeds, where):
+    infos = shapes.infer_tensor_infos(graph.model, shapes.check_inputs(graph.model, feeds))
+    data = graph.data_inputs
 
     def lowered(schedule=None, cuts=(), block_nodes=None):
-        return lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=["x"], fetches=["loss"],
+        return lower(graph.model, infos, state_pairs=graph.state_pairs, data_inputs=data, fetches=["loss"],
                      max_block_nodes=block_nodes or len(graph.model.graph.node), schedule=schedule, extra_cuts=cuts)
 
     finest = lowered(block_nodes=1)
@@ -290,6 +314,32 @@ def test_the_room_to_copy_bound_sees_a_budget_barely_above_the_largest_nodes(wid
     bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
     assert bound.capacity_s > max(bound.compute_s, bound.link_s) and "room to copy" in bound.describe()
     assert bound.under_compute_bytes[0] < bound.h2d_bytes  # not all that must come in fits under compute
+    times = []
+
+    def evaluate(program):
+        times.append(simulate_time(program, infos, model=graph.model, profile=slow_link,
+                                   budget=space.budget).step_time_s)
+        return times[-1]
+
+    probe = dataclasses.replace(space, evaluate=evaluate)
+    grid = SwapSearch(while_improving=True).search(
+        [space.lower(seed_genome(seed).schedule, sorted(seed_genome(seed).cuts))], infos, budget=space.budget,
+        evaluate=evaluate)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.2])
+def test_the_round_trip_bound_sees_what_leaves_and_comes_back(where):
+    """A forward-and-backward chain on a slow link: every activation goes out in the first half
+    and back in the second, one direction after the other, so the round-trip bound is above
+    every other term, and still below the grid's plan and every GA plan."""
+    graph, infos, finest, seed, space = _space(*_u_graph(rows=256), where)
+    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    others = (bound.compute_s, bound.link_s, bound.split_s, bound.capacity_s)
+    assert bound.round_trip_s > max(others) and bound.seconds == bound.round_trip_s
+    assert "round trip" in bound.describe()
     times = []
 
     def evaluate(program):
