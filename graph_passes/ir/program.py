@@ -146,6 +146,39 @@ def order_dependent_last(model: onnx.ModelProto, io: Sequence[NodeIO] | None = N
     return [i for i in range(len(nodes)) if i not in late] + sorted(late)
 
 
+def program_order(model: onnx.ModelProto, program: Program, io: Sequence[NodeIO] | None = None) -> list[int]:
+    """Every node of ``model`` in the order ``program`` runs them: its blocks' nodes, with the
+    nodes no block runs (split views' ``Split`` nodes and the constants only they read) put back
+    as soon as what they read exists. A schedule built from the blocks alone lacks them, and
+    the pieces' readers then read values nothing makes: lowering it again fails."""
+    nodes = model.graph.node
+    ran = [i for block in program.blocks for i in block.node_indices]
+    pending = sorted(set(range(len(nodes))) - set(ran))
+    if not pending:
+        return ran
+    io = io if io is not None else node_io(nodes)
+    made = {v.name for v in model.graph.input} | {t.name for t in model.graph.initializer}
+    order: list[int] = []
+
+    def place(indices) -> None:
+        for index in indices:
+            order.append(index)
+            made.update(io[index].outputs)
+
+    def place_ready() -> None:
+        while ready := [k for k in pending if all(n in made for n in io[k].inputs)]:
+            pending[:] = [k for k in pending if k not in ready]
+            place(ready)
+
+    place_ready()
+    for index in ran:
+        place((index,))
+        place_ready()
+    if pending:
+        raise ValueError(f"node {pending[0]} ({nodes[pending[0]].op_type}) reads a value the program never makes")
+    return order
+
+
 def partition(num_nodes: int, max_block_nodes: int = DEFAULT_BLOCK_NODES) -> list[tuple[int, ...]]:
     """Cut positions ``0..num_nodes-1`` into consecutive chunks of at most ``max_block_nodes``,
     sized evenly so the last block is not a sliver."""

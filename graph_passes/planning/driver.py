@@ -25,7 +25,7 @@ from graph_passes.formatting import format_bytes
 from graph_passes.ir import shapes
 from graph_passes.ir.allocator import OutOfArenaMemory, align_up
 from graph_passes.ir.memory import MemoryTrace, simulate_program
-from graph_passes.ir.program import Program, order_dependent_last
+from graph_passes.ir.program import Program, order_dependent_last, program_order
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.blocks import BlockLayouts, PlanningTarget
 from graph_passes.planning.choice import Infeasible, ProgramChoice, RewriteOutcome
@@ -360,7 +360,7 @@ class StepPlanner:
         state and frees little, for later). Both move state updates into the backward, so
         neither where the target keeps them after it."""
         graph = self.target.graph
-        base = [i for block in programs[0].blocks for i in block.node_indices]
+        base = program_order(model, programs[0], self.layouts.node_io_of(model))
         spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])
         early = updates_early(model, spine, base) if spine is not None else None
         if early is not None:

@@ -57,7 +57,7 @@ from graph_passes.ir.liveness import node_io
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
 from graph_passes.ir.memory import simulate_program
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
-from graph_passes.ir.program import Program, order_dependent_closure
+from graph_passes.ir.program import Program, order_dependent_closure, program_order
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.swap.planner import EVICT_BELADY, EVICTION_ORDERS, Infeasible, SwapPlanner, apply_swap_plan
 from graph_passes.planning.swap.search import SwapCandidate
@@ -149,14 +149,15 @@ class SearchSpace:
     recompute_ratio: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
-def seed_genome(candidate: SwapCandidate) -> Genome:
-    """The genome of a grid plan: its schedule, block starts, host state and victim order."""
-    schedule, cuts = [], set()
-    for block in candidate.base_program.blocks:
-        if schedule:
-            cuts.add(len(schedule))
-        schedule.extend(block.node_indices)
-    return Genome(tuple(schedule), frozenset(cuts), frozenset(candidate.plan.host_state), (), candidate.plan.eviction)
+def seed_genome(candidate: SwapCandidate, model: onnx.ModelProto) -> Genome:
+    """The genome of a grid plan of ``model``: its schedule (every node, those no block runs
+    included: :func:`~graph_passes.ir.program.program_order`), block starts, host state and
+    victim order."""
+    blocks = candidate.base_program.blocks
+    schedule = program_order(model, candidate.base_program)
+    position = {node: k for k, node in enumerate(schedule)}
+    cuts = frozenset(position[b.node_indices[0]] for b in blocks[1:] if b.node_indices)
+    return Genome(tuple(schedule), cuts, frozenset(candidate.plan.host_state), (), candidate.plan.eviction)
 
 
 def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = None,
@@ -416,7 +417,7 @@ class GeneticSwapSearch:
         """The fastest plan found within the time limit, never slower than ``seed``."""
         cfg, start = self.config, self.clock()
         rng = random.Random(cfg.seed)
-        first = seed_genome(seed)
+        first = seed_genome(seed, space.model)
         sizes = {n: align_up(i.nbytes, space.alignment) for n, i in space.infos.items()}
         ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, rng, cfg, sizes,
                          space.recompute_ratio if space.recompute is not None else None)

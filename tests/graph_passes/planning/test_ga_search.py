@@ -89,7 +89,7 @@ def test_never_slower_than_the_grid_and_within_budget(where):
 
 def test_the_seed_genome_decodes_to_the_grid_plan():
     _, _, _, seed, space = _chain_space()
-    genome = seed_genome(seed)
+    genome = seed_genome(seed, space.model)
     assert space.lower(genome.schedule, sorted(genome.cuts)).blocks == seed.base_program.blocks
 
 
@@ -116,7 +116,7 @@ def test_time_limit_returns_the_best_so_far():
 
 def test_children_are_topological_and_keep_the_late_nodes_last():
     graph, infos, _, seed, _ = _chain_space()
-    first = seed_genome(seed)
+    first = seed_genome(seed, graph.model)
     sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
     ops = _Operators(graph.model, first, seed.base_program, seed.base_program.state_inputs, random.Random(0),
                      GAConfig(schedule_p=0.5), sizes)
@@ -140,7 +140,7 @@ def test_the_victim_order_is_a_gene_the_first_generation_tries():
     tries Belady only); mutation flips it, and the first genome evaluated is the seed with the
     other order, which the planner then plans clean first."""
     graph, infos, _, seed, space = _chain_space()
-    first = seed_genome(seed)
+    first = seed_genome(seed, graph.model)
     assert first.eviction == seed.plan.eviction == EVICT_BELADY
     sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
     ops = _Operators(graph.model, first, seed.base_program, seed.base_program.state_inputs, random.Random(0),
@@ -234,11 +234,11 @@ def test_the_split_bound_sees_evictions_the_compute_cannot_hide():
                          budget=space.budget).step_time_s >= bound.seconds
 
 
-def _train(name, budget, *, plan_time, seed=0, steps=3, passes="auto"):
+def _train(name, budget, *, plan_time, seed=0, steps=3, passes="auto", evaluations=None):
     spec = get_model(name, "tiny")
     data = batches(name, steps)
     device = ort_offload.set_offload_device("cpu", budget=budget, planning_profile="V100-16GB-PCIe3",
-                                            plan_time=plan_time, plan_seed=seed)
+                                            plan_time=plan_time, plan_seed=seed, plan_evaluations=evaluations)
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
@@ -258,6 +258,26 @@ def test_ga_plans_run_bitwise_equal_and_within_budget_on_the_cpu(name):
     assert all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
     report = trainer.report()
     assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+def test_ga_searches_a_split_plan_and_it_runs_bitwise_equal_and_within_budget():
+    """Below the least budget swap alone plans, the GA refines the split graph's swap plan:
+    its genomes lower (the split views' Split nodes are in their schedules) and fit, and the
+    plan runs bitwise equal and within budget."""
+    from graph_passes.errors import BudgetTooSmallError
+
+    with pytest.raises(BudgetTooSmallError) as refused:
+        _train("gpt", 1, plan_time=0, steps=1, passes=("swap",))
+    budget = refused.value.needed_bytes * 4 // 5
+    _, ref_losses, ref_state = _train("gpt", None, plan_time=0)
+    trainer, losses, state = _train("gpt", budget, plan_time=60.0, evaluations=12)
+    search = trainer.runner.last_plan_search
+    assert "split" in trainer.report()["passes"] and trainer.runner.last_prepared.program.views
+    assert search.method == "ga" and search.evaluations == 12 and search.feasible_evaluations > 0
+    assert search.step_time_s <= search.grid_step_time_s
+    assert losses == ref_losses and all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
+    report = trainer.report()
+    assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"] == budget
 
 
 @pytest.mark.slow
@@ -322,8 +342,9 @@ def test_the_room_to_copy_bound_sees_a_budget_barely_above_the_largest_nodes(wid
         return times[-1]
 
     probe = dataclasses.replace(space, evaluate=evaluate)
+    first = seed_genome(seed, space.model)
     grid = SwapSearch(while_improving=True).search(
-        [space.lower(seed_genome(seed).schedule, sorted(seed_genome(seed).cuts))], infos, budget=space.budget,
+        [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget,
         evaluate=evaluate)
     GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
@@ -348,8 +369,9 @@ def test_the_round_trip_bound_sees_what_leaves_and_comes_back(where):
         return times[-1]
 
     probe = dataclasses.replace(space, evaluate=evaluate)
+    first = seed_genome(seed, space.model)
     grid = SwapSearch(while_improving=True).search(
-        [space.lower(seed_genome(seed).schedule, sorted(seed_genome(seed).cuts))], infos, budget=space.budget,
+        [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget,
         evaluate=evaluate)
     GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)

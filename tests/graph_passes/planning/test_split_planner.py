@@ -155,3 +155,27 @@ def test_a_budget_no_split_reaches_names_the_bottleneck_and_a_minimum_that_plans
     assert "splitting stops at" in str(refused.value)
     # The least budget stated is the one a split plan needs (searched): below the swap minimum.
     assert least // 3 < refused.value.needed_bytes < least
+
+
+def test_program_order_puts_back_the_view_splits_so_the_order_lowers_again():
+    """A batch split lowers its Split as a view that no block runs: the blocks' node order
+    alone lacks it (its pieces' readers then read what nothing makes), program_order puts it
+    back, and lowering that order gives the same blocks."""
+    from graph_passes.ir.program import program_order
+
+    model, infos, low, planner = _small()
+    batch_split = SplitPlan((SplitRun((3,), (SplitAxis(CONCAT, 0),), 2),))  # the Add z, on its rows
+    rewritten, _ = write_split_plan(model, batch_split, infos, cut=Cut.SPLIT)
+    new_infos = planner.infer(rewritten)
+    program = low(rewritten, new_infos)
+    assert program.views
+    in_blocks = [i for block in program.blocks for i in block.node_indices]
+    assert len(in_blocks) < len(rewritten.graph.node)
+    with pytest.raises(ValueError, match="before it is produced"):
+        lower(rewritten, new_infos, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1,
+              schedule=in_blocks)
+    order = program_order(rewritten, program)
+    assert sorted(order) == list(range(len(rewritten.graph.node)))
+    again = lower(rewritten, new_infos, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1,
+                  schedule=order)
+    assert [b.node_indices for b in again.blocks] == [b.node_indices for b in program.blocks]

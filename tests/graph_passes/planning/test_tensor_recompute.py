@@ -120,7 +120,7 @@ def test_operators_give_recompute_genes_only_to_recomputable_tensors():
     from graph_passes.ir.allocator import align_up
 
     space, seed = _mlp_space()
-    first = seed_genome(seed)
+    first = seed_genome(seed, space.model)
     sizes = {n: align_up(i.nbytes) for n, i in space.infos.items()}
     ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, _random.Random(0),
                      GAConfig(), sizes, space.recompute_ratio)
