@@ -31,6 +31,7 @@ class PlanSearch:
     stopped: str = ""
     recomputed_tensors: int = 0  # tensors the GA chose to recompute (recompute genes)
     feasible_evaluations: int = 0  # evaluations whose plan lowered and fit the budget
+    lead_evaluations: int = 0  # evaluations after the search pulling batch-independent nodes first
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -69,7 +70,7 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
     best = result.best
     recomputed = len(result.genome.recomputed) if result.genome is not None else 0
     record = PlanSearch(GA, seconds, best.step_time_s, time.perf_counter() - started, result.generations,
-                        result.evaluations, result.stopped, recomputed, result.feasible)
+                        result.evaluations, result.stopped, recomputed, result.feasible, result.lead_evaluations)
     if not result.improved:
         return Refined(choice, seconds, record)
     improved = dataclasses.replace(choice, program=best.program, trace=best.trace, base_program=best.base_program,

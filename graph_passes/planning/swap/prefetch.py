@@ -23,6 +23,10 @@ issues them without waiting, so evictions still come first (SwapAdvisor's SwapOu
 edge).
 
 Swap-ins are hoisted in program order, so the ones needed first get first claim on free memory.
+Last, every run of consecutive copies to the device (``Load``, ``SwapIn``) is put in the order
+the blocks after it read them (:func:`in_order_of_need`): the lowering loads the whole batch
+first, and a schedule that starts with nodes not reading it (the optimizer's scalars) would
+otherwise wait behind the batch on the FIFO host→device stream for the state they read.
 The result has the same steps, only ``SwapIn`` positions differ, and its
 ``simulate_program(...).min_budget_bytes`` stays within ``budget`` (and never above the input
 program's own, if that was already above ``budget``).
@@ -109,7 +113,8 @@ def hoist_swap_ins(
     memory a block may then wait for. With it, the fully hoisted program is kept if it is not
     slower; otherwise swap-ins are hoisted one at a time, each move kept only if the program
     does not get slower (one evaluation per swap-in)."""
-    hoisted = _hoist(program, infos, budget, lookahead_blocks, alignment, only=None)
+    program = in_order_of_need(program)
+    hoisted = in_order_of_need(_hoist(program, infos, budget, lookahead_blocks, alignment, only=None))
     if evaluate is None or hoisted.steps == program.steps:
         return hoisted
     baseline = evaluate(program)
@@ -123,7 +128,32 @@ def hoist_swap_ins(
         seconds = evaluate(candidate)
         if seconds <= baseline:
             current, baseline = candidate, seconds
-    return current
+    return in_order_of_need(current)
+
+
+def in_order_of_need(program: Program) -> Program:
+    """``program`` with each run of consecutive ``Load``/``SwapIn`` steps ordered by the first
+    later block that reads the tensor (ties, and tensors no block reads, keep their order).
+    Within such a run nothing is freed, so the live bytes at its end, and at every step of it at
+    most those, do not change: only which copy the FIFO host→device stream serves first."""
+    steps = list(program.steps)
+    need: dict[int, int] = {}
+    next_read: dict[str, int] = {}
+    for index in range(len(steps) - 1, -1, -1):
+        step = steps[index]
+        if isinstance(step, RunBlock):
+            next_read.update((name, index) for name in program.blocks[step.block].inputs)
+        elif isinstance(step, (Load, SwapIn)):
+            need[index] = next_read.get(step.name, len(steps))
+    start = 0
+    while start < len(steps):
+        end = start
+        while end < len(steps) and isinstance(steps[end], (Load, SwapIn)):
+            end += 1
+        if end - start > 1:
+            steps[start:end] = [steps[k] for k in sorted(range(start, end), key=lambda k: (need[k], k))]
+        start = end + 1
+    return dataclasses.replace(program, steps=tuple(steps))
 
 
 def _hoist(program, infos, budget, lookahead_blocks, alignment, only: int | None) -> Program:
@@ -186,4 +216,4 @@ def _hoist_target(name: str, size: int, position: int, touched, is_block, peak, 
     return target
 
 
-__all__ = ["hoist_swap_ins"]
+__all__ = ["hoist_swap_ins", "in_order_of_need"]

@@ -42,15 +42,19 @@ def _u_graph(depth=8, rows=64, width=32):
     lines = [f"m{i} = MatMul(a{i - 1}, w)\n a{i} = Tanh(m{i})" for i in range(1, depth + 1)]
     lines += [f"g{i - 1} = Mul(g{i}, a{i - 1})" for i in range(depth, 0, -1)]
     text = (f"<ir_version: 9, opset_import: [\"\" : 20]>\n"
-            f"u (float[{rows}, {width}] a0, float[{width}, {width}] w) => (float loss, float[{width}, {width}] w_new) {{\n"
+            f"u (float[{rows}, {width}] a0, float[{width}, {width}] w, float[1] t)"
+            f" => (float loss, float[{width}, {width}] w_new, float[1] t_new) {{\n"
             + "\n".join(lines[:depth]) + f"\n loss = ReduceSum<keepdims = 0>(a{depth})\n g{depth} = Sigmoid(a{depth})\n"
-            + "\n".join(lines[depth:]) + "\n xt = Transpose(a0)\n gw = MatMul(xt, g0)\n w_new = Sub(w, gw)\n}")
+            + "\n".join(lines[depth:]) + "\n xt = Transpose(a0)\n gw = MatMul(xt, g0)\n"
+            # a step count and a rate made from it: what an optimizer computes without the batch
+            + " t_new = Add(t, t)\n rate = Sigmoid(t)\n step = Mul(gw, rate)\n w_new = Sub(w, step)\n}")
     model = onnx.parser.parse_model(text)
-    roles = {"a0": Role.INPUT, "w": Role.PARAM, "loss": Role.LOSS, "w_new": Role.PARAM}
+    roles = {"a0": Role.INPUT, "w": Role.PARAM, "t": Role.PARAM, "loss": Role.LOSS, "w_new": Role.PARAM,
+             "t_new": Role.PARAM}
     rng = np.random.default_rng(0)
     feeds = {"a0": rng.standard_normal((rows, width)).astype(np.float32),
-             "w": rng.standard_normal((width, width)).astype(np.float32) * 0.1}
-    return TrainingGraph(model, roles, {"w": "w_new"}, name="u"), feeds
+             "w": rng.standard_normal((width, width)).astype(np.float32) * 0.1, "t": np.ones(1, np.float32)}
+    return TrainingGraph(model, roles, {"w": "w_new", "t": "t_new"}, name="u"), feeds
 
 
 def _space(graph, feeds, where):
@@ -375,3 +379,27 @@ def test_the_round_trip_bound_sees_what_leaves_and_comes_back(where):
         evaluate=evaluate)
     GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
+
+
+def test_the_lead_pulls_batch_independent_nodes_to_the_start():
+    """``lead_one_more`` moves the first batch-independent node reading no state kept on the
+    host (with its producers) to the start of the schedule, one more each time, keeping the
+    schedule one the graph can run in; with that state on the host there is nothing to move."""
+    import random as _random
+
+    graph, infos, _, seed, space = _space(*_u_graph(), 0.3)
+    first = dataclasses.replace(seed_genome(seed, space.model), host_state=frozenset())
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, _random.Random(0),
+                     GAConfig(), sizes)
+    nodes = space.model.graph.node
+    independent = {i for i, n in enumerate(nodes) if n.output[0] in ("t_new", "rate")}
+    one = ops.lead_one_more(first)
+    two = ops.lead_one_more(one)
+    assert {one.schedule[0]} < independent and set(two.schedule[:2]) == independent
+    assert ops.lead_one_more(two) == two
+    for genome in (one, two):
+        assert sorted(genome.schedule) == sorted(first.schedule)
+        space.lower(genome.schedule, sorted(genome.cuts))  # raises if not an order the graph runs in
+    on_host = dataclasses.replace(first, host_state=frozenset({"t"}))
+    assert ops.lead_one_more(on_host) == on_host

@@ -238,3 +238,38 @@ def test_the_grid_tries_both_victim_orders_and_follows_the_evaluator():
     assert belady_only.best.plan.eviction == "belady" and belady_only.best.step_time_s > result.best.step_time_s
     with pytest.raises(ValueError, match="eviction orders"):
         SwapSearch(eviction_orders=["lru"])
+
+
+def test_copies_to_the_device_go_in_the_order_the_blocks_read_them():
+    """The lowering loads the batch first; where the first block reads only state kept on the
+    host, that state's swap-in goes ahead of the batch on the FIFO host→device stream. The
+    steps are the same, and so is the memory at every block."""
+    from graph_passes.planning.swap.prefetch import in_order_of_need
+
+    f32 = np.dtype(np.float32)
+    infos = {n: shapes.TensorInfo(f32, (256, 256)) for n in ("x", "w", "a", "y")}
+    blocks = (Block(0, (0,), ("w",), ("a",), 0), Block(1, (1,), ("x", "a"), ("y",), 0))
+    steps = (Load("x"), SwapIn("w"), RunBlock(0, ("a",), ("w",)), RunBlock(1, ("y",), ("x", "a")), Fetch("y", True))
+    program = Program(blocks, steps, (), ("x",), ("y",), host_state=("w",))
+    ordered = in_order_of_need(program)
+    assert ordered.steps[:2] == (SwapIn("w"), Load("x")) and ordered.steps[2:] == steps[2:]
+    assert in_order_of_need(ordered) == ordered
+    assert simulate_program(ordered, infos).min_budget_bytes == simulate_program(program, infos).min_budget_bytes
+
+
+@pytest.mark.parametrize("where", [0.0, 0.3])
+def test_hoisted_programs_keep_their_copies_in_the_order_of_need(where):
+    graph, infos, program, _, budget = planned_chain(64, where)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    plan = SwapPlanner().plan(program, sizes, budget, host_state=program.state_inputs)
+    placed = hoist_swap_ins(issue_swap_outs_early(apply_swap_plan(program, plan)), infos, budget=budget)
+    assert Counter(placed.steps) == Counter(apply_swap_plan(program, plan).steps)
+    copies = [k for k, s in enumerate(placed.steps) if isinstance(s, (Load, SwapIn))]
+    for k, nxt in zip(copies, copies[1:]):
+        if nxt == k + 1:  # consecutive copies: the one read first goes first
+            def need(position):
+                name = placed.steps[position].name
+                return next((j for j in range(position, len(placed.steps)) if isinstance(placed.steps[j], RunBlock)
+                             and name in placed.blocks[placed.steps[j].block].inputs), len(placed.steps))
+            assert need(k) <= need(nxt)
+    assert simulate_program(placed, infos, budget=budget).min_budget_bytes <= budget
