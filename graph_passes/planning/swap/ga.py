@@ -40,7 +40,7 @@ Eq. 1) barely prefers the best with a population this small. Random choices come
 ``random.Random(seed)``: the same seed and the same number of evaluations give the same plan;
 the time limit stops the search where it is and returns the best so far. Unless the time ran
 out, a last polish (:meth:`GeneticSwapSearch._lead_polish`) pulls batch-independent nodes that
-read no host-kept state to the front of the best schedule, one at a time while that is faster:
+read no host-kept state to the front of the best schedule, 1, 2, 4, ... more while that is faster:
 they run while the batch loads, which the first block reading it waits for.
 """
 
@@ -262,19 +262,19 @@ class _Operators:
         schedule = tuple(out) + g.schedule[self.movable:]
         return dataclasses.replace(g, schedule=schedule, cuts=_cuts_by_node(g, schedule, self.independent))
 
-    def lead_one_more(self, g: Genome) -> Genome:
-        """The first batch-independent node in ``g``'s schedule that reads no state kept on the
-        host (nor depends on one that does) and is not yet in the run of such nodes that starts
-        the schedule, moved with its producers to the end of that run: compute with nothing to
-        copy in, run while the batch loads (the first block reading it waits for its copy).
-        ``g`` itself where there is none."""
+    def lead_more(self, g: Genome, count: int = 1) -> Genome:
+        """The first ``count`` batch-independent nodes in ``g``'s schedule that read no state
+        kept on the host (nor depend on one that does) and are not yet in the run of such nodes
+        that starts the schedule, moved with their producers to the end of that run: compute
+        with nothing to copy in, run while the batch loads (the first block reading it waits for
+        its copy). ``g`` itself where there is none."""
         chosen = self._reading_no_host_state(g.host_state)
         order = list(g.schedule[: self.movable])
         lead = next((k for k, n in enumerate(order) if n not in chosen), len(order))
         pool = [n for n in order[lead:] if n in chosen]
         if not pool:
             return g
-        leading, pulled, stack = set(order[:lead]), set(), [pool[0]]
+        leading, pulled, stack = set(order[:lead]), set(), pool[:count]
         while stack:
             node = stack.pop()
             if node not in pulled and node not in leading:
@@ -419,7 +419,7 @@ def _cuts_by_node(g: Genome, schedule: tuple[int, ...], alone: frozenset[int]) -
     return frozenset(cuts)
 
 
-LEAD_POLISH = 4  # evaluations after the search that pull batch-independent nodes to the start
+LEAD_POLISH = 6  # evaluations after the search that pull batch-independent nodes to the start
 SMALL_VALUE_BYTES = 4096  # what independent_first moves: nodes whose every output is at most this
 
 
@@ -506,13 +506,14 @@ class GeneticSwapSearch:
                         tuple(history), variant, polished)
 
     def _lead_polish(self, genome, best, best_genome, scored, ops: _Operators, space, variants, has_time):
-        """After the search: batch-independent nodes pulled one at a time into the run that
-        starts the best schedule (:meth:`_Operators.lead_one_more`) while that is faster, at most
-        :data:`LEAD_POLISH` evaluations (not counted against ``max_evaluations``; within the
-        time limit). Returns (best, its genome, evaluations made)."""
-        made = 0
+        """After the search: batch-independent nodes pulled into the run that starts the best
+        schedule (:meth:`_Operators.lead_more`), doubling that run each time (1, 2, 4, ... more
+        nodes) while the plan gets faster, at most :data:`LEAD_POLISH` evaluations (not counted
+        against ``max_evaluations``; within the time limit). Returns (best, its genome,
+        evaluations made)."""
+        made, count = 0, 1
         for _ in range(LEAD_POLISH):
-            child = ops.lead_one_more(genome)
+            child, count = ops.lead_more(genome, count), 2 * count
             if child == genome or child in scored or not has_time():
                 break
             scored[child] = self._decode(child, space, variants)

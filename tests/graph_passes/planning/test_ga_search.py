@@ -382,9 +382,10 @@ def test_the_round_trip_bound_sees_what_leaves_and_comes_back(where):
 
 
 def test_the_lead_pulls_batch_independent_nodes_to_the_start():
-    """``lead_one_more`` moves the first batch-independent node reading no state kept on the
-    host (with its producers) to the start of the schedule, one more each time, keeping the
-    schedule one the graph can run in; with that state on the host there is nothing to move."""
+    """``lead_more`` moves the first batch-independent nodes reading no state kept on the host
+    (with their producers) to the start of the schedule, as many more as asked each time,
+    keeping the schedule one the graph can run in; with that state on the host there is
+    nothing to move."""
     import random as _random
 
     graph, infos, _, seed, space = _space(*_u_graph(), 0.3)
@@ -394,12 +395,12 @@ def test_the_lead_pulls_batch_independent_nodes_to_the_start():
                      GAConfig(), sizes)
     nodes = space.model.graph.node
     independent = {i for i, n in enumerate(nodes) if n.output[0] in ("t_new", "rate")}
-    one = ops.lead_one_more(first)
-    two = ops.lead_one_more(one)
+    one = ops.lead_more(first)
+    two = ops.lead_more(one)
     assert {one.schedule[0]} < independent and set(two.schedule[:2]) == independent
-    assert ops.lead_one_more(two) == two
+    assert ops.lead_more(two) == two and ops.lead_more(first, count=2) == two
     for genome in (one, two):
         assert sorted(genome.schedule) == sorted(first.schedule)
         space.lower(genome.schedule, sorted(genome.cuts))  # raises if not an order the graph runs in
     on_host = dataclasses.replace(first, host_state=frozenset({"t"}))
-    assert ops.lead_one_more(on_host) == on_host
+    assert ops.lead_more(on_host) == on_host
