@@ -38,7 +38,10 @@ grid's best plan, kept as is, so the result is never slower than it. Selection k
 (elitism) and picks parents by tournament: SwapAdvisor's softmax over normalised times (its
 Eq. 1) barely prefers the best with a population this small. Random choices come from one
 ``random.Random(seed)``: the same seed and the same number of evaluations give the same plan;
-the time limit stops the search where it is and returns the best so far. Unless the time ran
+the time limit stops the search where it is and returns the best so far. A search that has
+converged (12 generations without a better plan) starts again from its best plan alone, with
+the first generation's seeds made from it, up to ``restarts`` times: the evaluations and time a
+converged search would leave unused go to escaping its local optimum. Unless the time ran
 out, a last polish (:meth:`GeneticSwapSearch._lead_polish`) pulls batch-independent nodes that
 read no host-kept state to the front of the best schedule, 1, 2, 4, ... more while that is faster:
 they run while the batch loads, which the first block reading it waits for.
@@ -86,6 +89,7 @@ class GAConfig:
     children: int = 6  # per generation
     max_evaluations: int | None = None  # a hard count (deterministic whatever the machine's speed)
     stale_generations: int = 12  # stop after this many generations without a better plan
+    restarts: int = 8  # then start again from the best plan alone, this many times at most
     schedule_p: float = 0.02  # ready-set mutation: chance of a random pick
     gene_tensors: int = 96  # largest swapped or swappable tensors that carry a keep/swap gene
 
@@ -471,7 +475,10 @@ class GeneticSwapSearch:
                 return "evaluations"
             return "time" if self.clock() - start >= cfg.time_limit_s else None
 
-        while stale < cfg.stale_generations:
+        restarts = cfg.restarts
+        while stale < cfg.stale_generations or restarts > 0:
+            if stale >= cfg.stale_generations:  # converged: start again from the best alone
+                restarts, stale, population = restarts - 1, 0, [best_genome or first]
             children = self._children(population, scored, ops, fill=len(population) < cfg.population)
             for child in children:
                 if (reason := out_of_time()) is not None:

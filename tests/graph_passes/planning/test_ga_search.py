@@ -404,3 +404,17 @@ def test_the_lead_pulls_batch_independent_nodes_to_the_start():
         space.lower(genome.schedule, sorted(genome.cuts))  # raises if not an order the graph runs in
     on_host = dataclasses.replace(first, host_state=frozenset({"t"}))
     assert ops.lead_more(on_host) == on_host
+
+
+def test_a_converged_search_restarts_from_its_best():
+    """Restarts only add generations after convergence: the same seed's search without them
+    is the restarted one's prefix, so the restarted best is at least as fast, and it searched
+    on where the other stopped."""
+    _, infos, _, seed, space = _chain_space(where=0.3)
+    plain = GeneticSwapSearch(GAConfig(max_evaluations=200, time_limit_s=120, restarts=0, seed=2)).search(seed, space)
+    again = GeneticSwapSearch(GAConfig(max_evaluations=200, time_limit_s=120, restarts=2, seed=2)).search(seed, space)
+    assert plain.stopped == "converged" and plain.evaluations < 200
+    assert again.history[: len(plain.history)] == plain.history
+    assert again.generations > plain.generations and again.evaluations > plain.evaluations
+    assert again.best.step_time_s <= plain.best.step_time_s
+    assert simulate_program(again.best.program, infos, budget=space.budget).min_budget_bytes <= space.budget
