@@ -34,8 +34,9 @@ Five bounds; the step is at least the largest (:class:`StepTimeBound`):
   look at the moment ``b`` ends. Of the values ``W`` leaves live, all but at most ``B`` bytes
   are not on the device then (those ``b`` reads are); each of those was copied out before that
   moment (a value a node made: its room is free only when its copy out ends) and is copied back
-  in after it (a later block reads it, and a copy in holds its room from its start). So the two directions of the link cannot overlap on
-  them: ``T >= (out(W) - B)/r_out + (in(W) - B)/r_in``, where the whole-step link bound lets
+  in after it (a later block reads it, and a copy in holds its room from its start). So the
+  two directions of the link cannot overlap on them:
+  ``T >= (out(W) - B)/r_out + (in(W) - B)/r_in``, where the whole-step link bound lets
   them share the link's duplex rate. Minimised over the same closed sets by one minimum cut
   (a value costs ``bytes/r_in``, plus ``bytes/r_out`` if a node made it), at the nodes whose
   ``W0`` weighs most by that measure.

@@ -29,6 +29,7 @@ from models import get_model
 from chain_helpers import chain_feeds, chain_graph
 
 OPS = ["MatMul", "Relu", "MatMul", "Sigmoid", "Add", "MatMul", "Exp", "Concat", "Relu"]
+SLOW_LINK = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
 
 
 def _chain_space(width=64, where=0.3):
@@ -230,11 +231,10 @@ def test_the_split_bound_sees_evictions_the_compute_cannot_hide():
     """A chain whose early values must leave while little compute runs: the split bound is
     above the compute and the whole-step link bound, and still below the plans."""
     graph, infos, finest, seed, space = _chain_space(width=256, where=0.0)
-    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
-    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=SLOW_LINK, budget=space.budget)
     assert bound.split_s > max(bound.compute_s, bound.link_s) and bound.split
     program = seed.program
-    assert simulate_time(program, infos, model=graph.model, profile=slow_link,
+    assert simulate_time(program, infos, model=graph.model, profile=SLOW_LINK,
                          budget=space.budget).step_time_s >= bound.seconds
 
 
@@ -328,29 +328,34 @@ def test_transform_reports_what_it_expects_of_the_plan(tmp_path):
     assert report["simulated_step_time_s"] == pytest.approx(search["step_time_s"])
 
 
+def _slow_link_plan_times(graph, infos, seed, space) -> list[float]:
+    """Simulated step times on :data:`SLOW_LINK` of every plan the grid (from the seed's
+    schedule and cuts) and then a 25-evaluation GA consider."""
+    times = []
+
+    def evaluate(program):
+        times.append(simulate_time(program, infos, model=graph.model, profile=SLOW_LINK,
+                                   budget=space.budget).step_time_s)
+        return times[-1]
+
+    first = seed_genome(seed, space.model)
+    grid = SwapSearch(while_improving=True).search(
+        [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget, evaluate=evaluate)
+    probe = dataclasses.replace(space, evaluate=evaluate)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    return times
+
+
 @pytest.mark.parametrize("width", [128, 256])
 def test_the_room_to_copy_bound_sees_a_budget_barely_above_the_largest_nodes(width):
     """Near the least budget, the largest nodes leave little room for copies under their
     compute: on a slow link the room-to-copy bound is above the compute and the link bounds,
     and still below the grid's plan and every GA plan."""
     graph, infos, finest, seed, space = _chain_space(width=width, where=0.0)
-    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
-    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=SLOW_LINK, budget=space.budget)
     assert bound.capacity_s > max(bound.compute_s, bound.link_s) and "room to copy" in bound.describe()
     assert bound.under_compute_bytes[0] < bound.h2d_bytes  # not all that must come in fits under compute
-    times = []
-
-    def evaluate(program):
-        times.append(simulate_time(program, infos, model=graph.model, profile=slow_link,
-                                   budget=space.budget).step_time_s)
-        return times[-1]
-
-    probe = dataclasses.replace(space, evaluate=evaluate)
-    first = seed_genome(seed, space.model)
-    grid = SwapSearch(while_improving=True).search(
-        [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget,
-        evaluate=evaluate)
-    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    times = _slow_link_plan_times(graph, infos, seed, space)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
 
 
@@ -360,24 +365,11 @@ def test_the_round_trip_bound_sees_what_leaves_and_comes_back(where):
     and back in the second, one direction after the other, so the round-trip bound is above
     every other term, and still below the grid's plan and every GA plan."""
     graph, infos, finest, seed, space = _space(*_u_graph(rows=256), where)
-    slow_link = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=1e8, d2h_bandwidth=1e8, duplex_bandwidth=2e8)
-    bound = step_time_bound(finest, infos, model=graph.model, profile=slow_link, budget=space.budget)
+    bound = step_time_bound(finest, infos, model=graph.model, profile=SLOW_LINK, budget=space.budget)
     others = (bound.compute_s, bound.link_s, bound.split_s, bound.capacity_s)
     assert bound.round_trip_s > max(others) and bound.seconds == bound.round_trip_s
     assert "round trip" in bound.describe()
-    times = []
-
-    def evaluate(program):
-        times.append(simulate_time(program, infos, model=graph.model, profile=slow_link,
-                                   budget=space.budget).step_time_s)
-        return times[-1]
-
-    probe = dataclasses.replace(space, evaluate=evaluate)
-    first = seed_genome(seed, space.model)
-    grid = SwapSearch(while_improving=True).search(
-        [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget,
-        evaluate=evaluate)
-    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    times = _slow_link_plan_times(graph, infos, seed, space)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
 
 
