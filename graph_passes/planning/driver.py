@@ -33,7 +33,7 @@ from graph_passes.planning.greedy_schedule import memory_greedy
 from graph_passes.planning.minimum import least_budget
 from graph_passes.planning.partition import refine_blocks
 from graph_passes.planning.recompute.signatures import RecomputePlanning
-from graph_passes.planning.schedule import training_spine, updates_early
+from graph_passes.planning.schedule import state_derived_late, training_spine, updates_early
 from graph_passes.planning.strategies import PASSES, Request, SwapsFound, strategy_for
 from graph_passes.planning.split.graph_pass import Cut, SplitPass
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
@@ -357,7 +357,8 @@ class StepPlanner:
         their gradients exist (:func:`graph_passes.planning.schedule.updates_early`), and the
         memory-greedy order (:func:`graph_passes.planning.greedy_schedule.memory_greedy`) with
         its state updates early too (the greedy rule alone leaves an update, which makes new
-        state and frees little, for later). Both move state updates into the backward, so
+        state and frees little, for later), and that order with the nodes computed from the
+        state alone right before their readers (:func:`graph_passes.planning.schedule.state_derived_late`). Both move state updates into the backward, so
         neither where the target keeps them after it."""
         graph = self.target.graph
         base = program_order(model, programs[0], self.layouts.node_io_of(model))
@@ -369,6 +370,9 @@ class StepPlanner:
         if greedy is not None:
             greedy_early = updates_early(model, spine, greedy) if spine is not None else None
             yield "memory-greedy order", greedy_early or greedy
+            late = state_derived_late(model, graph.state_inputs, greedy_early or greedy)
+            if late is not None:
+                yield "memory-greedy order, state-derived nodes late", late
 
     def _plan_other_schedule(self, label: str, schedule, infos, budget: int, model: onnx.ModelProto, best,
                              needed: int):

@@ -16,7 +16,7 @@ from graph_passes.ir import shapes
 from graph_passes.ir.liveness import check_topological, node_io
 from graph_passes.ir.program import order_dependent_closure
 from graph_passes.planning.greedy_schedule import memory_greedy
-from graph_passes.planning.schedule import training_spine, updates_early
+from graph_passes.planning.schedule import state_derived_late, training_spine, updates_early
 from helpers import batches
 from models import get_model
 from test_schedule import layered_step
@@ -62,7 +62,8 @@ def test_a_training_step_gets_a_topological_order_with_order_dependent_nodes_las
 def test_a_gpu_plan_that_takes_the_greedy_order_runs_bitwise_equal_and_within_budget(monkeypatch):
     """cnn tiny at 0.25x on a V100 profile with a slow link (so that the swaps of the
     backward decide the step): the planner picks the memory-greedy order with state updates
-    early, and the plan runs on the CPU device with the unplanned run's numbers."""
+    early and the nodes computed from state alone right before their readers, and the plan
+    runs on the CPU device with the unplanned run's numbers."""
     slow = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=3e8, d2h_bandwidth=3e8, duplex_bandwidth=4.5e8)
     monkeypatch.setitem(device_profiles.SHIPPED_PROFILES, V100_16GB_PCIE3.name, slow)
     spec, data = get_model("cnn", "tiny"), batches("cnn", 2)
@@ -84,7 +85,44 @@ def test_a_gpu_plan_that_takes_the_greedy_order_runs_bitwise_equal_and_within_bu
     greedy = memory_greedy(runner.model, prepared.infos, base)
     assert greedy is not None
     chosen = [i for block in prepared.program.blocks for i in block.node_indices]
-    assert chosen == (updates_early(runner.model, spine, greedy) or greedy)
+    greedy_early = updates_early(runner.model, spine, greedy) or greedy
+    late = state_derived_late(runner.model, graph.state_inputs, greedy_early)
+    assert late is not None and chosen == late  # the weights' transposes then run in the backward
     assert losses == ref_losses and all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
     report = trainer.report()
     assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+def test_nodes_computed_from_the_state_alone_run_right_before_their_first_reader():
+    """``wt`` (a weight's transpose) and ``s``/``e`` (a chain from the step count) read only
+    state; given right after the weight's first use, they move down to right before the nodes
+    that read them, in their order. ``n``, whose output is a graph output, stays where it is."""
+    model = onnx.parser.parse_model("""<ir_version: 9, opset_import: ["" : 20]>
+        g (float[8, 8] x, float[8, 8] w, float[1] t) => (float[8, 8] out, float[1] n) {
+            a = MatMul(x, w)
+            wt = Transpose(w)
+            s = Neg(t)
+            n = Neg(t)
+            e = Exp(s)
+            b = Relu(a)
+            c = MatMul(b, wt)
+            out = Mul(c, e)
+        }""")
+    nodes = list(model.graph.node)
+    order = state_derived_late(model, ["w", "t"])
+    assert [nodes[i].output[0] for i in order] == ["a", "n", "b", "wt", "c", "s", "e", "out"]
+    check_topological([nodes[i] for i in order], {"x", "w", "t"})
+    assert state_derived_late(model, ["w", "t"], order) is None  # already late: no other order
+    assert state_derived_late(model, []) is None  # nothing is computed from state alone
+
+
+def test_the_state_derived_late_order_of_a_training_step_is_topological_with_order_dependent_nodes_last():
+    graph = layered_step(scatter=True)
+    model = graph.model
+    nodes = list(model.graph.node)
+    base = list(range(len(nodes)))
+    late = order_dependent_closure(nodes, node_io(nodes), base)
+    order = state_derived_late(model, graph.state_inputs, base)
+    assert order is not None and sorted(order) == base
+    check_topological([nodes[i] for i in order], {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer})
+    assert [i for i in order if i in late] == sorted(late)
