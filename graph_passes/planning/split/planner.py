@@ -37,7 +37,9 @@ from graph_passes.ir.program import Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
-from graph_passes.planning.split.rules import NodeInfo, SplitAxis, UnsplittableOpError, constant_values, split_options
+from graph_passes.planning.split.rules import (
+    CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, split_options,
+)
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
 
 logger = logging.getLogger(__name__)
@@ -159,7 +161,30 @@ class JointPlanner:
             choices.append(choice)
             logger.info("split %s %d ways on %s: needs %d instead of %d bytes, +%.3g ms", choice.node, choice.parts,
                         choice.axis, choice.needed_after, choice.needed_before, choice.added_time_s * 1e3)
-        return self._check(SplitPlan(tuple(runs)), tuple(choices), program, current_infos, budget)
+        split = SplitPlan(tuple(runs))
+        chained = self._chained(model, infos, constants, split, budget)
+        if chained is not None:
+            split, (_, current_infos, program) = chained
+        return self._check(split, tuple(choices), program, current_infos, budget)
+
+    def _chained(self, model, infos, constants, split: SplitPlan, budget: int):
+        """``split`` with its runs chained (:func:`chain_runs`), and its rewrite, where that
+        changes the plan, rewrites and still fits ``budget`` step by step; else None."""
+        chained = chain_runs(model, infos, constants, split)
+        if chained == split:
+            return None
+        try:
+            rewrite = self.rewritten(model, infos, chained)
+        except ValueError as e:  # e.g. a node outside a run between two of its nodes
+            logger.info("split runs not chained: %s", e)
+            return None
+        if rewrite is None:
+            return None
+        sizes = self._sizes(rewrite[1])
+        if any(need > budget for _, need in step_requirements(rewrite[2], sizes)):
+            return None
+        logger.info("split runs chained: %d runs of %d nodes", len(chained.runs), chained.split_nodes)
+        return chained, rewrite
 
     def _sizes(self, infos: Mapping[str, TensorInfo]) -> dict[str, int]:
         return {n: align_up(i.nbytes, self.alignment) for n, i in infos.items()}
@@ -254,6 +279,55 @@ class JointPlanner:
             return Bottleneck("", "", trace.peak_device_bytes, "the swap plan of the split graph does not replay within the budget")
         required = max((need for _, need in step_requirements(program, sizes)), default=0)
         return JointPlan(split, choices, budget, required, trace.peak_device_bytes)
+
+
+def chain_runs(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], constants, split: SplitPlan) -> SplitPlan:
+    """``split`` with a run joined to the run after it wherever the first run's last node makes
+    a value that only the next run's first node reads, cut the same ``p`` ways along the axis
+    the first merges it on (TSPLIT's micro-tensors flowing op to op). The value then never
+    exists whole: no ``Concat`` (pieces and whole live together, twice its bytes) and no
+    second cut of it. At a budget barely above an op's need, such a merge needs the whole
+    budget and sends every other live value out and back (cnn small at its least budget: a
+    BatchNorm's four elementwise ops, each split alone, merged three times)."""
+    nodes = model.graph.node
+    readers: dict[str, set[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.input:
+            readers.setdefault(name, set()).add(index)
+    outputs = {o.name for o in model.graph.output}
+    runs = sorted(split.runs, key=lambda r: r.nodes[0])  # node order is topological
+    by_first = {run.nodes[0]: run for run in runs}
+    absorbed: set[SplitRun] = set()
+    result = []
+    for run in runs:
+        if run in absorbed:
+            continue
+        while (following := _following_run(nodes, infos, constants, run, readers, outputs, by_first)) is not None \
+                and following not in absorbed:
+            absorbed.add(following)
+            run = SplitRun(run.nodes + following.nodes, run.axes + following.axes, run.parts)
+        result.append(run)
+    return SplitPlan(tuple(result)) if absorbed else split
+
+
+def _following_run(nodes, infos, constants, run: SplitRun, readers, outputs, by_first) -> SplitRun | None:
+    """The run whose first node alone reads one of ``run``'s last node's outputs as the same
+    pieces ``run`` cuts it into (see :func:`chain_runs`), or None."""
+    last = nodes[run.nodes[-1]]
+    made = find_option(NodeInfo.of(last, infos, constants), run.axes[-1])
+    for name, merge in zip(last.output, made.outputs):
+        users = readers.get(name, set())
+        if name in outputs or len(users) != 1 or merge.kind != CONCAT:
+            continue
+        following = by_first.get(next(iter(users)))
+        if following is None or following.parts != run.parts or following is run:
+            continue
+        reader = nodes[following.nodes[0]]
+        option = find_option(NodeInfo.of(reader, infos, constants), following.axes[0])
+        slots = [k for k, n in enumerate(reader.input) if n == name]
+        if option.extent == made.extent and all(option.inputs[k] == SliceOn(merge.axis) for k in slots):
+            return following
+    return None
 
 
 def _label(node: onnx.NodeProto) -> str:

@@ -26,7 +26,7 @@ from graph_passes.ir.allocator import align_up
 from helpers import max_relative_diff, train_ort
 from ort_offload.errors import BudgetTooSmallError
 from ort_offload.trainer import resolve_passes
-from split_helpers import SPLIT_CHAIN_GRAPH
+from split_helpers import SPLIT_CHAIN_GRAPH, run as run_graph
 
 
 def _small():
@@ -77,6 +77,53 @@ def test_the_planner_splits_the_bottleneck_op_cheapest_first_and_checks_the_plan
     assert plan.checked_peak_bytes <= budget and plan.required_bytes == choice.needed_after
     assert _least(low(rewritten, new_infos), new_infos) <= budget
     assert split_node_count(rewritten) > 0 and split_node_count(model) == 0
+
+
+# Two ops in a row that a budget below 3A splits: the Add's output is read by the Mul alone.
+_CHAIN_OF_TWO = """
+<ir_version: 9, opset_import: ["" : 20]>
+g (float[64, 64] x, float[1, 64] r) => (float y) {
+    shape = Constant<value = int64[2] {64, 64}>()
+    b = Expand(r, shape)
+    z = Add(x, b)
+    t = Mul(z, b)
+    y = ReduceSum<keepdims = 0>(t)
+}
+"""
+
+
+def test_split_ops_in_a_row_become_one_run_whose_pieces_flow_from_op_to_op():
+    """Add and Mul, each split two ways alone, become one run: the Mul reads the Add's
+    micro-outputs, ``z`` is never merged (no Concat, no second Split), the split graph has
+    fewer nodes and needs no more than the two runs apart, and it computes the unsplit
+    graph's ``y`` exactly."""
+    model = onnx.parser.parse_model(_CHAIN_OF_TWO)
+    inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (64, 64)), "r": shapes.TensorInfo(np.dtype(np.float32), (1, 64))}
+    infos = shapes.infer_tensor_infos(model, inputs)
+
+    def low(m, i):
+        return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
+
+    planner = JointPlanner(lower=low, infer=lambda m: shapes.infer_tensor_infos(m, inputs),
+                           cost_model=AnalyticalCostModel(get_profile("H100")))
+    a = infos["z"].nbytes
+    plan = planner.plan(model, infos, 5 * a // 2)
+    assert isinstance(plan, JointPlan) and [c.node for c in plan.choices] == ["z", "t"]
+    (run,) = plan.split.runs
+    assert run.nodes == (2, 3) and run.parts == 2
+    chained, _ = write_split_plan(model, plan.split, infos, cut=Cut.SPLIT)
+    apart = SplitPlan(tuple(SplitRun((i,), (axis,), run.parts) for i, axis in zip(run.nodes, run.axes)))
+    separate, _ = write_split_plan(model, apart, infos, cut=Cut.SPLIT)
+    assert "z" in {o for n in separate.graph.node if n.op_type == "Concat" for o in n.output}
+    assert "z" not in {o for n in chained.graph.node for o in n.output}
+    assert sum(n.op_type in ("Concat", "Split") for n in chained.graph.node) < \
+        sum(n.op_type in ("Concat", "Split") for n in separate.graph.node)
+    chained_infos, separate_infos = planner.infer(chained), planner.infer(separate)
+    assert _least(low(chained, chained_infos), chained_infos) <= _least(low(separate, separate_infos), separate_infos)
+    assert len(chained.graph.node) < len(separate.graph.node)
+    feeds = {"x": np.random.default_rng(0).standard_normal((64, 64), dtype=np.float32),
+             "r": np.random.default_rng(1).standard_normal((1, 64), dtype=np.float32)}
+    assert np.array_equal(run_graph(chained, feeds)["y"], run_graph(model, feeds)["y"])
 
 
 def test_the_planner_names_the_bottleneck_when_no_split_fits():
