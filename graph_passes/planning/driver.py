@@ -335,14 +335,22 @@ class StepPlanner:
         compute). Where copies overlap compute, the same graph is also planned in other
         schedules (:meth:`_other_schedules`), and the fastest schedule wins."""
         best, needed = self._plan_swaps_for(programs, infos, budget, model, order_dependent_last(model))
+        fits = [best] if best is not None else []  # each schedule's fastest plan
         if self.target.profile().copies_overlap_compute and self.target.swap_points is None and self.target.updates_early:
             for label, schedule in self._other_schedules(programs, infos, model):
-                best, needed = self._plan_other_schedule(label, schedule, infos, budget, model, best, needed)
-        if best is None:
+                other, needed = self._plan_other_schedule(label, schedule, infos, budget, model, needed)
+                fits += [other] if other is not None else []
+        if not fits:
             return SwapsFound(None, needed)
+        best, *others = sorted(fits, key=lambda found: found[1])  # stable: the exported order wins ties
+        if others:
+            logger.info("swap plan for %s: %.3g s simulated, the other schedules' best %s", self.target.graph.name,
+                        best[1], ", ".join(f"{seconds:.3g} s" for _, seconds in others))
         if refine and self.target.profile().copies_overlap_compute and not self.target.blocks_fixed:
-            # Schedule, cuts, host state and keep/swap(/recompute) per tensor, searched from the grid's best.
+            # Schedule, cuts, host state and keep/swap(/recompute) per tensor, searched from the grid's
+            # best; the other schedules' best plans are in the first generation too.
             refined = refine_swap_plan(self.layouts, *best, infos, budget, model,
+                                       others=tuple(choice for choice, _ in others),
                                        **self._recompute_genes(model, infos, budget))
             self.last_plan_search = refined.search
             if refined.variant is None:
@@ -374,23 +382,20 @@ class StepPlanner:
             if late is not None:
                 yield "memory-greedy order, state-derived nodes late", late
 
-    def _plan_other_schedule(self, label: str, schedule, infos, budget: int, model: onnx.ModelProto, best,
+    def _plan_other_schedule(self, label: str, schedule, infos, budget: int, model: onnx.ModelProto,
                              needed: int):
-        """``best`` ((choice, seconds) or None) against the plan of the same graph in
-        ``schedule``; the faster, and the least budget of both."""
+        """The plan of the same graph in ``schedule`` ((choice, seconds) or None), and the least
+        budget of it and ``needed``."""
         name = self.target.graph.name
         try:
             programs = list(self.layouts.lowerings(model, infos, schedule))
         except ValueError as e:  # not a topological order (seen on split graphs): a speed-up only
             logger.info("swap plan for %s: no %s (%s); the given order stays", name, label, e)
-            return best, needed
+            return None, needed
         other, other_needed = self._plan_swaps_for(programs, infos, budget, model, schedule)
-        needed = min(needed, other_needed)
-        if other is not None and (best is None or other[1] < best[1]):
-            logger.info("swap plan for %s: %s (%.3g s simulated) over the order before (%s)",
-                        name, label, other[1], "none fits" if best is None else f"{best[1]:.3g} s")
-            best = other
-        return best, needed
+        if other is not None:
+            logger.info("swap plan for %s: %s, %.3g s simulated", name, label, other[1])
+        return other, min(needed, other_needed)
 
     def _plan_swaps_for(self, programs, infos, budget: int, model: onnx.ModelProto, schedule):
         """:meth:`plan_swaps` for one schedule (``programs``: lowerings of it): ((choice,

@@ -455,11 +455,14 @@ class GeneticSwapSearch:
         self.planner = planner or SwapPlanner()
         self.clock = clock
 
-    def search(self, seed: SwapCandidate, space: SearchSpace) -> GAResult:
-        """The fastest plan found within the time limit, never slower than ``seed``."""
+    def search(self, seed: SwapCandidate, space: SearchSpace, others: Sequence[SwapCandidate] = ()) -> GAResult:
+        """The fastest plan found within the time limit, never slower than ``seed``. ``others``
+        (more plans of the same graph: the other grid schedules' best) are evaluated in the
+        first generation, so the search starts from more than one schedule."""
         cfg, start = self.config, self.clock()
         rng = random.Random(cfg.seed)
         first = seed_genome(seed, space.model)
+        extra = [seed_genome(other, space.model) for other in others]
         sizes = {n: align_up(i.nbytes, space.alignment) for n, i in space.infos.items()}
         ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, rng, cfg, sizes,
                          space.recompute_ratio if space.recompute is not None else None)
@@ -479,7 +482,8 @@ class GeneticSwapSearch:
         while stale < cfg.stale_generations or restarts > 0:
             if stale >= cfg.stale_generations:  # converged: start again from the best alone
                 restarts, stale, population = restarts - 1, 0, [best_genome or first]
-            children = self._children(population, scored, ops, fill=len(population) < cfg.population)
+            children = self._children(population, scored, ops, fill=len(population) < cfg.population,
+                                      extra=extra if generations == 0 else ())
             for child in children:
                 if (reason := out_of_time()) is not None:
                     stopped = reason
@@ -540,9 +544,9 @@ class GeneticSwapSearch:
             return None
         return decode(genome, space, self.planner, variant)
 
-    def _children(self, population, scored, ops: _Operators, *, fill: bool) -> list[Genome]:
+    def _children(self, population, scored, ops: _Operators, *, fill: bool, extra=()) -> list[Genome]:
         """Mutants of the seed while the population fills, then crossovers of tournament
-        winners, each mutated."""
+        winners, each mutated. ``extra``: genomes the first generation tries as they are."""
         rng, cfg = ops.rng, self.config
         if fill:
             children = [ops.mutate(population[0]) for _ in range(cfg.population - len(population))]
@@ -552,7 +556,7 @@ class GeneticSwapSearch:
                 seeds += [ops.independent_spread(population[0], span) for span in ("forward", "first", "step")]
                 if ops.recomputable:
                     seeds[2:2] = [ops.recompute_cheaper(population[0], ratio) for ratio in RECOMPUTE_RATIOS]
-                seeds = list(dict.fromkeys(seeds))[: len(children)]
+                seeds = list(dict.fromkeys([*extra, *seeds]))[: len(children)]
                 children[: len(seeds)] = seeds
             return children
         children = []

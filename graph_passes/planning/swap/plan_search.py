@@ -50,10 +50,12 @@ class Refined:
 
 def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model, *,
                      recompute: Callable[[frozenset[str]], Variant] | None = None,
-                     recompute_ratio: Mapping[str, float] | None = None) -> Refined:
+                     recompute_ratio: Mapping[str, float] | None = None, others=()) -> Refined:
     """``choice`` (the grid's :class:`~graph_passes.planning.choice.ProgramChoice`) improved by
     the GA within the target's plan time. ``recompute``: the graph with some saved values
-    recomputed (the GA's recompute genes, priced by ``recompute_ratio``); None: swap genes only."""
+    recomputed (the GA's recompute genes, priced by ``recompute_ratio``); None: swap genes only.
+    ``others``: more grid choices of the same graph (other schedules' best), tried in the GA's
+    first generation."""
     target = layouts.target
     if target.plan_time <= 0:
         return Refined(choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0))
@@ -65,8 +67,9 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
         recompute=recompute, recompute_ratio=dict(recompute_ratio or {}),
     )
     started = time.perf_counter()
+    extra = tuple(SwapCandidate(c.base, c.swap_plan, c.program, c.trace, "grid", float("inf")) for c in others)
     result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed,
-                                         max_evaluations=target.plan_evaluations)).search(seed, space)
+                                         max_evaluations=target.plan_evaluations)).search(seed, space, extra)
     best = result.best
     recomputed = len(result.genome.recomputed) if result.genome is not None else 0
     record = PlanSearch(GA, seconds, best.step_time_s, time.perf_counter() - started, result.generations,

@@ -410,3 +410,19 @@ def test_a_converged_search_restarts_from_its_best():
     assert again.generations > plain.generations and again.evaluations > plain.evaluations
     assert again.best.step_time_s <= plain.best.step_time_s
     assert simulate_program(again.best.program, infos, budget=space.budget).min_budget_bytes <= space.budget
+
+
+def test_the_first_generation_evaluates_the_other_grid_plans_first():
+    """Seeded with a plan of one-node blocks and handed the grid's best as another plan, a
+    one-evaluation search returns the grid's best; without it, the search stays slower."""
+    graph, infos, _, best, space = _chain_space(where=0.3)
+    order = list(range(len(graph.model.graph.node)))
+    fine = space.lower(order, tuple(range(1, len(order))))
+    coarse = SwapSearch().search([fine], infos, budget=space.budget, evaluate=space.evaluate).best
+    assert coarse.step_time_s > best.step_time_s
+    config = GAConfig(max_evaluations=1, time_limit_s=60, seed=0)
+    alone = GeneticSwapSearch(config).search(coarse, space)
+    helped = GeneticSwapSearch(config).search(coarse, space, [best])
+    assert alone.best.step_time_s > best.step_time_s
+    assert helped.evaluations == 1 and helped.best.step_time_s <= best.step_time_s
+    assert simulate_program(helped.best.program, infos, budget=space.budget).min_budget_bytes <= space.budget
