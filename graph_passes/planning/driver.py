@@ -366,8 +366,9 @@ class StepPlanner:
         memory-greedy order (:func:`graph_passes.planning.greedy_schedule.memory_greedy`) with
         its state updates early too (the greedy rule alone leaves an update, which makes new
         state and frees little, for later), and that order with the nodes computed from the
-        state alone right before their readers (:func:`graph_passes.planning.schedule.state_derived_late`). Both move state updates into the backward, so
-        neither where the target keeps them after it."""
+        state alone right before their readers
+        (:func:`graph_passes.planning.schedule.state_derived_late`). All three move state updates
+        into the backward, so none where the target keeps them after it."""
         graph = self.target.graph
         base = program_order(model, programs[0], self.layouts.node_io_of(model))
         spine = training_spine(graph.roles, graph.state_pairs, [o.name for o in model.graph.output])

@@ -192,7 +192,7 @@ def state_derived_late(model: onnx.ModelProto, state_inputs: Iterable[str],
 
     Under a tight budget such a node, run where its inputs happen to be on the device (a
     weight's transpose for the backward, next to the weight's forward use), makes a value that
-    must go out and come back for a reader far away (gpt small at its least budget: 32.5 MiB
+    must go out and come back for a reader far away (gpt small at its least budget: 12.5 MiB
     of weight transposes a step). Run right before its reader, it reads state the host already
     holds: nothing goes out. A node whose output is a graph output stays where it was, at the
     latest. Order-dependent nodes (and what reads them) never move."""

@@ -320,7 +320,7 @@ def _following_run(nodes, infos, constants, run: SplitRun, readers, outputs, by_
         if name in outputs or len(users) != 1 or merge.kind != CONCAT:
             continue
         following = by_first.get(next(iter(users)))
-        if following is None or following.parts != run.parts or following is run:
+        if following is None or following.parts != run.parts:
             continue
         reader = nodes[following.nodes[0]]
         option = find_option(NodeInfo.of(reader, infos, constants), following.axes[0])

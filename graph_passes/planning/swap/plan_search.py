@@ -59,7 +59,7 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
     target = layouts.target
     if target.plan_time <= 0:
         return Refined(choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0))
-    seed = SwapCandidate(choice.base, choice.swap_plan, choice.program, choice.trace, "grid", seconds)
+    seed = _grid_candidate(choice, seconds)
     space = SearchSpace(
         model=model, infos=infos, budget=budget, alignment=target.alignment,
         lower=lambda schedule, cuts: layouts.lower_with_cuts(model, infos, list(schedule), cuts),
@@ -67,7 +67,7 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
         recompute=recompute, recompute_ratio=dict(recompute_ratio or {}),
     )
     started = time.perf_counter()
-    extra = tuple(SwapCandidate(c.base, c.swap_plan, c.program, c.trace, "grid", float("inf")) for c in others)
+    extra = tuple(_grid_candidate(other, float("inf")) for other in others)  # the GA times them itself
     result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed,
                                          max_evaluations=target.plan_evaluations)).search(seed, space, extra)
     best = result.best
@@ -79,6 +79,11 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
     improved = dataclasses.replace(choice, program=best.program, trace=best.trace, base_program=best.base_program,
                                    swap_plan=best.plan)
     return Refined(improved, best.step_time_s, record, result.variant)
+
+
+def _grid_candidate(choice, seconds: float) -> SwapCandidate:
+    """A grid :class:`~graph_passes.planning.choice.ProgramChoice` as the GA's seed type."""
+    return SwapCandidate(choice.base, choice.swap_plan, choice.program, choice.trace, "grid", seconds)
 
 
 __all__ = ["GA", "GRID", "PlanSearch", "Refined", "refine_swap_plan"]

@@ -29,8 +29,9 @@ from ort_offload.trainer import resolve_passes
 from split_helpers import SPLIT_CHAIN_GRAPH, run as run_graph
 
 
-def _small():
-    model = onnx.parser.parse_model(SPLIT_CHAIN_GRAPH)
+def _small(text=SPLIT_CHAIN_GRAPH):
+    """A graph of x[64, 64] and r[1, 64] with its infos, lowering and split planner."""
+    model = onnx.parser.parse_model(text)
     inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (64, 64)), "r": shapes.TensorInfo(np.dtype(np.float32), (1, 64))}
     infos = shapes.infer_tensor_infos(model, inputs)
 
@@ -97,15 +98,7 @@ def test_split_ops_in_a_row_become_one_run_whose_pieces_flow_from_op_to_op():
     micro-outputs, ``z`` is never merged (no Concat, no second Split), the split graph has
     fewer nodes and needs no more than the two runs apart, and it computes the unsplit
     graph's ``y`` exactly."""
-    model = onnx.parser.parse_model(_CHAIN_OF_TWO)
-    inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (64, 64)), "r": shapes.TensorInfo(np.dtype(np.float32), (1, 64))}
-    infos = shapes.infer_tensor_infos(model, inputs)
-
-    def low(m, i):
-        return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
-
-    planner = JointPlanner(lower=low, infer=lambda m: shapes.infer_tensor_infos(m, inputs),
-                           cost_model=AnalyticalCostModel(get_profile("H100")))
+    model, infos, low, planner = _small(_CHAIN_OF_TWO)
     a = infos["z"].nbytes
     plan = planner.plan(model, infos, 5 * a // 2)
     assert isinstance(plan, JointPlan) and [c.node for c in plan.choices] == ["z", "t"]
