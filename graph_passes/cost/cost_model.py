@@ -359,6 +359,36 @@ class AnalyticalCostModel(CostModel):
         return f"AnalyticalCostModel({self.profile.name!r})"
 
 
+class NodeTimesOnce(CostModel):
+    """``inner``'s times for one model and one set of shapes, each node's worked out once: a
+    search times thousands of blockings of the same graph, and every block time is a sum of the
+    same node times (added in the same order as :meth:`CostModel.block_time`, so the same
+    float). Another model or infos goes to ``inner``."""
+
+    def __init__(self, inner: CostModel, model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> None:
+        if type(inner).block_time is not CostModel.block_time:
+            raise TypeError(f"{type(inner).__name__} times blocks its own way; its node times cannot stand for them")
+        self.inner, self.model, self.infos = inner, model, infos
+        self.times: list[float | None] = [None] * len(model.graph.node)
+
+    def node_time(self, node: onnx.NodeProto, infos: Mapping[str, TensorInfo]) -> float:
+        return self.inner.node_time(node, infos)
+
+    def block_time(self, model: onnx.ModelProto, block: Block, infos: Mapping[str, TensorInfo]) -> float:
+        if model is not self.model or infos is not self.infos:
+            return self.inner.block_time(model, block, infos)
+        nodes, times, total = model.graph.node, self.times, 0
+        for i in block.node_indices:
+            seconds = times[i]
+            if seconds is None:
+                seconds = times[i] = self.inner.node_time(nodes[i], infos)
+            total = total + seconds
+        return total
+
+    def __repr__(self) -> str:
+        return f"NodeTimesOnce({self.inner!r})"
+
+
 BlockKey = tuple[int, ...]
 
 
@@ -431,7 +461,7 @@ def profile_blocks(
 
 
 __all__ = [
-    "AnalyticalCostModel", "CostModel", "DATA_MOVEMENT_OPS", "FREE_OPS", "NodeCost", "ProfiledCostModel",
+    "AnalyticalCostModel", "CostModel", "DATA_MOVEMENT_OPS", "FREE_OPS", "NodeCost", "NodeTimesOnce", "ProfiledCostModel",
     "TRANSCENDENTAL_FLOPS", "block_key", "is_compute_bound", "node_bytes", "node_cost", "node_flops",
     "profile_blocks", "roofline_time", "transfer_time",
 ]

@@ -167,17 +167,17 @@ def simulate_time(
         cost_model = AnalyticalCostModel(profile)
     if budget is None:
         budget = simulate_program(program, infos, alignment=alignment).min_budget_bytes
-    # A block also costs its launch (``profile.block_overhead_s``: binding and session call).
-    block_times = [cost_model.block_time(model, block, infos) + profile.block_overhead_s for block in program.blocks]
+    costs = _StepCosts.of(program, infos, model, cost_model, profile, alignment)
     duplex: frozenset[int] = frozenset()
     seen = {duplex}
     for _ in range(MAX_DUPLEX_ROUNDS):
-        result = _replay(program, infos, block_times, profile, budget, alignment, duplex)
-        trace, overlapping = result.trace, result.overlapping
+        replay = _replay(program, costs, profile, budget, duplex)
+        overlapping = _overlapping(replay.copies[H2D], replay.copies[D2H])
         if overlapping in seen:
             break
         seen.add(overlapping)
         duplex = overlapping
+    trace = replay.trace()
     if not profile.copies_overlap_compute:
         # The copies take the compute's own cores: nothing hides, every copy adds its time.
         copies = trace.h2d_busy_s + trace.d2h_busy_s
@@ -186,41 +186,70 @@ def simulate_time(
 
 
 @dataclasses.dataclass(frozen=True)
-class _ReplayResult:
-    """One replay's trace, and the steps whose copies overlap a copy in the other direction."""
+class _StepCosts:
+    """What every replay of one program reads, worked out once for all the duplex rounds:
+    per block its time (its launch included), per step the arena bytes it takes and gives back."""
 
-    trace: TimeTrace
-    overlapping: frozenset[int]
+    infos: Mapping[str, TensorInfo]
+    alignment: int
+    block_times: list[float]  # per block: the cost model's time plus profile.block_overhead_s
+    takes: list[int]  # per step: a RunBlock's outputs and workspace, a Load's or SwapIn's value
+    gives: list[int]  # per step: a RunBlock's frees and workspace, a SwapOut's or Fetch's value
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # aligned arena bytes, as asked for
+
+    def size(self, name: str) -> int:
+        found = self.sizes.get(name)
+        if found is None:
+            found = self.sizes[name] = align_up(self.infos[name].nbytes, self.alignment)
+        return found
+
+    @staticmethod
+    def of(program: Program, infos, model, cost_model: CostModel, profile: DeviceProfile, alignment: int) -> "_StepCosts":
+        # A block also costs its launch (``profile.block_overhead_s``: binding and session call).
+        block_times = [cost_model.block_time(model, block, infos) + profile.block_overhead_s for block in program.blocks]
+        takes, gives = [0] * len(program.steps), [0] * len(program.steps)
+        costs = _StepCosts(infos, alignment, block_times, takes, gives)
+        size = costs.size
+        for index, step in enumerate(program.steps):
+            if isinstance(step, RunBlock):
+                workspace = program.blocks[step.block].workspace_bytes
+                takes[index] = sum(size(n) for n in step.allocates) + workspace
+                gives[index] = workspace + sum(size(n) for n in step.frees)
+            elif isinstance(step, (Load, SwapIn, SwapOut, Fetch)):
+                takes[index] = gives[index] = size(step.name)
+        return costs
 
 
-def _replay(program, infos, block_times, profile, budget, alignment, duplex: frozenset[int]) -> _ReplayResult:
-    """One replay with the copies of the steps in ``duplex`` at the duplex rate."""
-    replay = _Replay(program, infos, block_times, profile, budget, alignment, duplex)
-    handlers = (
-        (Load, replay.load), (RunBlock, replay.run_block), (SwapOut, replay.swap_out),
-        (SwapIn, replay.swap_in), (Fetch, replay.fetch), (Commit, replay.commit),
-    )
+def _replay(program, costs: _StepCosts, profile, budget, duplex: frozenset[int]) -> "_Replay":
+    """One replay with the copies of the steps in ``duplex`` at the duplex rate (its
+    :meth:`_Replay.trace` made only for the last round)."""
+    replay = _Replay(program, costs, profile, budget, duplex)
+    handlers = {
+        Load: replay.load, RunBlock: replay.run_block, SwapOut: replay.swap_out,
+        SwapIn: replay.swap_in, Fetch: replay.fetch, Commit: replay.commit,
+    }
     for index, step in enumerate(program.steps):
-        handler = next((run for kind, run in handlers if isinstance(step, kind)), None)
+        handler = handlers.get(type(step)) or next((run for kind, run in handlers.items() if isinstance(step, kind)), None)
         if handler is None:
             raise TypeError(f"unknown program step {step!r}")
         replay.index = index
         handler(step)
-    return _ReplayResult(replay.trace(), _overlapping(replay.copies[H2D], replay.copies[D2H]))
+    return replay
 
 
 class _Replay:
     """The state of one replay: the arena, the three streams, when each value is ready, last
-    used and on the host, and the host's issue cursor; one method per program step kind."""
+    used and on the host, and the host's issue cursor; one method per program step kind.
+    Events are kept as tuples (stream, label, start, end, bytes) until :meth:`trace`."""
 
-    def __init__(self, program, infos, block_times, profile, budget, alignment, duplex: frozenset[int]) -> None:
-        self.program, self.infos, self.block_times = program, infos, block_times
-        self.profile, self.budget, self.alignment, self.duplex = profile, budget, alignment, duplex
+    def __init__(self, program, costs: _StepCosts, profile, budget, duplex: frozenset[int]) -> None:
+        self.program, self.costs, self.infos = program, costs, costs.infos
+        self.profile, self.budget, self.duplex = profile, budget, duplex
         self.resident = set(program.state_inputs)
-        self.arena = _Arena(sum(self.size(n) for n in self.resident), budget)
+        self.arena = _Arena(sum(costs.size(n) for n in self.resident), budget)
         self.streams = {name: _Stream(name) for name in (COMPUTE, H2D, D2H)}
         self.compute, self.h2d, self.d2h = self.streams[COMPUTE], self.streams[H2D], self.streams[D2H]
-        self.events: list[Event] = []
+        self.events: list[tuple[str, str, float, float, int]] = []
         self.copies: dict[str, list[tuple[float, float, int]]] = {H2D: [], D2H: []}  # (start, end, step)
         self.ready_at: dict[str, float] = {}  # device bytes valid (load, swap-in, producing block done)
         self.last_use_end: dict[str, float] = {}  # the last block that read or produced it has finished
@@ -230,13 +259,10 @@ class _Replay:
         self.end_of_all = 0.0
         self.index = 0  # the step being replayed
 
-    def size(self, name: str) -> int:
-        return align_up(self.infos[name].nbytes, self.alignment)
-
     def copy(self, stream: _Stream, direction: str, earliest: float, nbytes: int, label: str) -> float:
         start = max(earliest, stream.free_at)
         end = stream.add(start, transfer_time(nbytes, self.profile, direction, concurrent=self.index in self.duplex))
-        self.events.append(Event(stream.name, label, start, end, nbytes))
+        self.events.append((stream.name, label, start, end, nbytes))
         if end > start:
             self.copies[stream.name].append((start, end, self.index))
         return end
@@ -245,29 +271,34 @@ class _Replay:
         return max(self.ready_at.get(name, 0.0), self.last_use_end.get(name, 0.0))
 
     def load(self, step: Load) -> None:
-        self.cursor = self.arena.allocate(self.cursor, self.size(step.name))
+        self.cursor = self.arena.allocate(self.cursor, self.costs.takes[self.index])
         end = self.copy(self.h2d, "h2d", self.cursor, self.infos[step.name].nbytes, f"load {step.name}")
         self.ready_at[step.name] = self.last_use_end[step.name] = end
         self.resident.add(step.name)
 
     def run_block(self, step: RunBlock) -> None:
         block = self.program.blocks[step.block]
-        missing = [n for n in block.inputs if n not in self.resident]
-        if missing:
-            raise ValueError(f"block {step.block} reads {missing[0]!r}, which the program has not made resident")
-        earliest = max([self.cursor, self.compute.free_at] + [self.ready_at.get(n, 0.0) for n in block.inputs])
-        start = self.arena.allocate(earliest, sum(self.size(n) for n in step.allocates) + block.workspace_bytes)
-        self.stall += start - self.compute.free_at
+        inputs, resident, ready_at, compute = block.inputs, self.resident, self.ready_at, self.compute
+        earliest = max(self.cursor, compute.free_at)
+        for name in inputs:
+            if name not in resident:
+                raise ValueError(f"block {step.block} reads {name!r}, which the program has not made resident")
+            ready = ready_at.get(name, 0.0)
+            if ready > earliest:
+                earliest = ready
+        start = self.arena.allocate(earliest, self.costs.takes[self.index])
+        self.stall += start - compute.free_at
         self.cursor = start
-        end = self.compute.add(start, self.block_times[step.block])
-        self.events.append(Event(COMPUTE, f"block {step.block}", start, end))
-        for name in block.inputs:
-            self.last_use_end[name] = end
+        end = compute.add(start, self.costs.block_times[step.block])
+        self.events.append((COMPUTE, f"block {step.block}", start, end, 0))
+        last_use_end = self.last_use_end
+        for name in inputs:
+            last_use_end[name] = end
         for name in step.allocates:
-            self.ready_at[name] = self.last_use_end[name] = end
-            self.resident.add(name)
-        self.arena.release(end, block.workspace_bytes + sum(self.size(n) for n in step.frees))
-        self.resident.difference_update(step.frees)
+            ready_at[name] = last_use_end[name] = end
+            resident.add(name)
+        self.arena.release(end, self.costs.gives[self.index])
+        resident.difference_update(step.frees)
 
     def swap_out(self, step: SwapOut) -> None:
         if step.name not in self.resident:
@@ -278,15 +309,15 @@ class _Replay:
             self.on_host_at[step.name] = end
         else:
             end = ready
-            self.events.append(Event(DROP, f"drop {step.name}", end, end))
+            self.events.append((DROP, f"drop {step.name}", end, end, 0))
             self.on_host_at.setdefault(step.name, 0.0)
-        self.arena.release(end, self.size(step.name))
+        self.arena.release(end, self.costs.gives[self.index])
         self.resident.discard(step.name)
 
     def swap_in(self, step: SwapIn) -> None:
         if step.name in self.resident:
             raise ValueError(f"swap-in of {step.name!r}, which is resident already")
-        self.cursor = self.arena.allocate(self.cursor, self.size(step.name))
+        self.cursor = self.arena.allocate(self.cursor, self.costs.takes[self.index])
         earliest = max(self.cursor, self.on_host_at.get(step.name, 0.0))
         end = self.copy(self.h2d, "h2d", earliest, self.infos[step.name].nbytes, f"swap in {step.name}")
         self.ready_at[step.name] = end
@@ -296,14 +327,14 @@ class _Replay:
         earliest = max(self.cursor, self.settled(step.name))
         end = self.copy(self.d2h, "d2h", earliest, self.infos[step.name].nbytes, f"fetch {step.name}")
         if step.free:
-            self.arena.release(end, self.size(step.name))
+            self.arena.release(end, self.costs.gives[self.index])
             self.resident.discard(step.name)
 
     def commit(self, step: Commit) -> None:
         for updated, state in step.renames:
             if state in self.resident:
                 when = max(self.cursor, self.settled(state))
-                self.arena.release(when, self.size(state))
+                self.arena.release(when, self.costs.size(state))
                 self.end_of_all = max(self.end_of_all, when)
                 self.resident.discard(state)
             if updated in self.resident:
@@ -313,10 +344,11 @@ class _Replay:
     def trace(self) -> TimeTrace:
         """The trace of the steps replayed so far."""
         steps = self.program.steps
-        compute_time = math.fsum(self.block_times[s.block] for s in steps if isinstance(s, RunBlock))
+        block_times = self.costs.block_times
+        compute_time = math.fsum(block_times[s.block] for s in steps if isinstance(s, RunBlock))
         end_of_all = max([self.end_of_all, self.cursor] + [s.free_at for s in self.streams.values()]
-                         + [e.end_s for e in self.events])
-        self.events.sort(key=lambda e: (e.start_s, e.end_s))
+                         + [e[3] for e in self.events])
+        self.events.sort(key=lambda e: (e[2], e[3]))
         return TimeTrace(
             step_time_s=end_of_all,
             compute_time_s=compute_time,
@@ -324,7 +356,7 @@ class _Replay:
             d2h_busy_s=self.d2h.busy_s,
             h2d_busy_s=self.h2d.busy_s,
             peak_bytes=int(self.arena.peak),
-            events=tuple(self.events),
+            events=tuple(Event(*e) for e in self.events),
             budget_bytes=self.budget,
         )
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import onnx
 
-from graph_passes.cost.cost_model import AnalyticalCostModel
+from graph_passes.cost.cost_model import AnalyticalCostModel, NodeTimesOnce
 from graph_passes.cost.device_profiles import DeviceProfile
 from graph_passes.cost.simulator import simulate_time
 from graph_passes.ir.liveness import node_io
@@ -170,7 +170,9 @@ class BlockLayouts:
     def simulated_time(self, program: Program, infos, model: onnx.ModelProto, budget: int) -> float:
         """Step time of ``program`` simulated on the planning profile."""
         profile = self.target.profile()
-        return simulate_time(program, infos, model=model, cost_model=AnalyticalCostModel(profile), profile=profile,
+        cost = self._memoized(("node times", id(model), id(infos), profile.name), (model, infos),
+                              lambda: NodeTimesOnce(AnalyticalCostModel(profile), model, infos))
+        return simulate_time(program, infos, model=model, cost_model=cost, profile=profile,
                              budget=budget, alignment=self.target.alignment).step_time_s
 
     def lowerings(self, model: onnx.ModelProto, infos, schedule):

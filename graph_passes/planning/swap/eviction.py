@@ -23,33 +23,41 @@ from __future__ import annotations
 
 import dataclasses
 
-from graph_passes.ir.program import Fetch, Load, Program, RunBlock, Step, SwapIn, SwapOut
-
-
-def _blocks_eviction(program: Program, step: Step, name: str) -> bool:
-    """Whether a ``SwapOut`` of ``name`` cannot move above ``step``."""
-    if isinstance(step, (Load, SwapIn, SwapOut, Fetch)):
-        return step.name == name
-    if isinstance(step, RunBlock):
-        block = program.blocks[step.block]
-        return name in block.inputs or name in step.allocates or name in step.frees
-    return True  # a Commit, or a step kind this pass does not know
+from graph_passes.ir.program import Fetch, Load, Program, RunBlock, SwapIn, SwapOut
 
 
 def issue_swap_outs_early(program: Program) -> Program:
     """``program`` with each ``SwapOut`` right after the last step before it that touches its
-    tensor (see the module docstring). Only ``SwapOut`` positions change."""
-    steps = list(program.steps)
-    for position in range(len(steps)):
-        step = steps[position]
-        if not isinstance(step, SwapOut):
-            continue
-        target = position
-        while target > 0 and not _blocks_eviction(program, steps[target - 1], step.name):
-            target -= 1
-        if target < position:
-            steps.insert(target, steps.pop(position))
-    return dataclasses.replace(program, steps=tuple(steps))
+    tensor (see the module docstring). Only ``SwapOut`` positions change.
+
+    One pass, the result of the step-by-step moves: each swap-out ends right after its last
+    barrier in the program as given (a step touching its tensor, an earlier swap-out of it, a
+    ``Commit``); swap-outs ending after the same step are in the reverse of their order (each
+    moved later passed the ones already there)."""
+    steps = program.steps
+    behind: dict[int, list[int]] = {}  # a step's position -> the swap-outs moved right behind it, in move order
+    touched: dict[str, int] = {}  # a tensor -> the last step so far that touches it
+    barrier = -1  # the last Commit (or a step kind this pass does not know) so far
+    for position, step in enumerate(steps):
+        if isinstance(step, SwapOut):
+            behind.setdefault(max(touched.get(step.name, -1), barrier), []).append(position)
+            touched[step.name] = position
+        elif isinstance(step, RunBlock):
+            for name in (*program.blocks[step.block].inputs, *step.allocates, *step.frees):
+                touched[name] = position
+        elif isinstance(step, (Load, SwapIn, Fetch)):
+            touched[step.name] = position
+        else:
+            barrier = position
+    order: list[int] = []
+    for anchor in [-1] + [p for p, step in enumerate(steps) if not isinstance(step, SwapOut)]:
+        stack = [anchor]
+        while stack:  # the anchor, then what is behind it, the last moved first (each with its own behind it)
+            position = stack.pop()
+            if position >= 0:
+                order.append(position)
+            stack.extend(behind.get(position, ()))
+    return dataclasses.replace(program, steps=tuple(steps[p] for p in order))
 
 
 __all__ = ["issue_swap_outs_early"]

@@ -14,6 +14,7 @@ from graph_passes.ir import shapes
 from graph_passes.cost.cost_model import (
     AnalyticalCostModel,
     NodeCost,
+    NodeTimesOnce,
     ProfiledCostModel,
     TRANSCENDENTAL_FLOPS,
     is_compute_bound,
@@ -302,6 +303,29 @@ def test_analytical_block_time_is_the_sum_of_node_times():
         assert analytical.block_time(model, block, infos) == pytest.approx(expected)
     total = sum(analytical.node_time(n, infos) for n in model.graph.node)
     assert analytical.program_time(model, program, infos) == pytest.approx(total)
+
+
+def test_node_times_once_gives_the_same_floats_and_asks_each_node_once():
+    model, infos, program = lowered_chain()
+    analytical = AnalyticalCostModel(get_profile("V100-16GB-PCIe3"))
+    asked = []
+
+    class Counting(AnalyticalCostModel):
+        def node_time(self, node, infos):
+            asked.append(node.name)
+            return super().node_time(node, infos)
+
+    once = NodeTimesOnce(Counting(analytical.profile), model, infos)
+    finest = lowered_chain(max_block_nodes=1)[2]
+    for blocks in (program.blocks, finest.blocks, program.blocks):
+        for block in blocks:
+            assert once.block_time(model, block, infos) == analytical.block_time(model, block, infos)  # bitwise
+    assert sorted(asked) == sorted(n.name for n in model.graph.node)
+    other = dict(infos)  # other shapes: not from the memo
+    once.block_time(model, program.blocks[0], other)
+    assert len(asked) == len(model.graph.node) + len(program.blocks[0].node_indices)
+    with pytest.raises(TypeError, match="its own way"):
+        NodeTimesOnce(ProfiledCostModel({}, analytical.profile), model, infos)
 
 
 def test_profiled_model_uses_measurements_and_falls_back():

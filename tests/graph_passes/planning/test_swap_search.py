@@ -54,6 +54,56 @@ def test_early_swap_outs_follow_the_last_touch_and_never_raise_memory(width, whe
     assert max(p.in_use for p in after.timeline) <= max(p.in_use for p in before.timeline)
 
 
+def _swap_outs_moved_one_step_at_a_time(program):
+    """The placement by its definition: each swap-out, in program order, moved up one step at
+    a time while the step above does not touch its tensor and is not a Commit."""
+    steps = list(program.steps)
+    for position in range(len(steps)):
+        step = steps[position]
+        if not isinstance(step, SwapOut):
+            continue
+        target = position
+        while target > 0:
+            above = steps[target - 1]
+            if isinstance(above, (Load, SwapIn, SwapOut, Fetch)) and above.name == step.name:
+                break
+            if isinstance(above, RunBlock) and _touches(program, above, step.name) or isinstance(above, Commit):
+                break
+            target -= 1
+        steps.insert(target, steps.pop(position))
+    return tuple(steps)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_early_swap_outs_in_one_pass_are_the_step_by_step_moves(seed):
+    """Random step sequences over a few tensors (swap-outs of the same tensor twice, behind the
+    same step, at the start, across Commits and Fetches): the one pass places every swap-out
+    where moving it one step at a time does."""
+    rng = np.random.default_rng(seed)
+    names = [f"t{i}" for i in range(5)]
+    blocks, steps = [], []
+    for _ in range(int(rng.integers(5, 40))):
+        kind = rng.choice(["block", "out", "out", "in", "fetch", "commit", "load"], p=[0.3, 0.2, 0.2, 0.1, 0.08, 0.05, 0.07])
+        name = str(rng.choice(names))
+        if kind == "block":
+            reads = tuple(str(n) for n in rng.choice(names, size=int(rng.integers(0, 3)), replace=False))
+            made = (f"m{len(blocks)}",) if rng.random() < 0.5 else ()
+            blocks.append(Block(len(blocks), (len(blocks),), reads, made, 0))
+            steps.append(RunBlock(len(blocks) - 1, made, (name,) if rng.random() < 0.2 else ()))
+        elif kind == "out":
+            steps.append(SwapOut(name, copy=bool(rng.random() < 0.7)))
+        elif kind == "in":
+            steps.append(SwapIn(name))
+        elif kind == "fetch":
+            steps.append(Fetch(name, free=False))
+        elif kind == "commit":
+            steps.append(Commit(((f"{name}_new", name),)))
+        else:
+            steps.append(Load(name))
+    program = Program(tuple(blocks), tuple(steps), (), (), ())
+    assert issue_swap_outs_early(program).steps == _swap_outs_moved_one_step_at_a_time(program)
+
+
 def test_early_swap_outs_and_host_state_run_bitwise_equal_in_the_runtime():
     width = 64
     graph, infos, program, _, budget = planned_chain(width, 0.3)
