@@ -287,15 +287,18 @@ class StepPlanner:
         return StepPlan(split_infos, choice.with_passes(("split", *choice.passes)), model, recomputed_nodes=recomputed,
                         split_nodes=split_nodes, split_plan=result, rewrites=split_rewrites)
 
-    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome:
+    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True,
+               others=()) -> RewriteOutcome:
         """A strategy's chosen candidate (simulated at ``seconds``): its swap plan searched further
         (:func:`refine_swap_plan`) where copies overlap compute and ``search`` is set. Strategies
-        plan their candidates unrefined and refine only the winner, so the time limit holds once."""
+        plan their candidates unrefined and refine only the winner, so the time limit holds once.
+        ``others``: the same graph's other schedules' best plans (:attr:`SwapsFound.others`), in
+        the search's first generation."""
         self.last_plan_search = PlanSearch(GRID, seconds, seconds, 0.0)
         if not search or not self.target.profile().copies_overlap_compute or self.target.blocks_fixed:
             return outcome
         refined = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos, budget, outcome.model,
-                                   **self._recompute_genes(outcome.model, outcome.infos, budget))
+                                   others=tuple(others), **self._recompute_genes(outcome.model, outcome.infos, budget))
         self.last_plan_search = refined.search
         if refined.variant is None:
             return dataclasses.replace(outcome, choice=refined.choice)
@@ -358,7 +361,7 @@ class StepPlanner:
             choice = refined.choice.with_passes(_with_recompute(refined.choice.passes))
             return SwapsFound(choice, needed, refined.seconds, refined.variant)
         self.last_plan_search = PlanSearch(GRID, best[1], best[1], 0.0)
-        return SwapsFound(best[0], needed, best[1])
+        return SwapsFound(best[0], needed, best[1], others=tuple(choice for choice, _ in others))
 
     def _other_schedules(self, programs, infos, model: onnx.ModelProto):
         """(label, schedule) of the orders planned beside the given one: state updates as soon as

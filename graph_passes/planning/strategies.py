@@ -58,6 +58,7 @@ class SwapsFound:
     needed_bytes: int
     seconds: float | None = None
     variant: object = None  # graph_passes.planning.swap.ga.Variant: the graph the GA's recomputes rewrote
+    others: tuple[ProgramChoice, ...] = ()  # unrefined: the other schedules' best plans of the same graph
 
 
 class Planner(Protocol):
@@ -70,7 +71,8 @@ class Planner(Protocol):
     def plan_swaps(self, programs: list[Program], infos: Mapping[str, TensorInfo], budget: int,
                    model: onnx.ModelProto, *, refine: bool = True) -> SwapsFound: ...
 
-    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True) -> RewriteOutcome: ...
+    def refine(self, outcome: RewriteOutcome, seconds: float, budget: int, *, search: bool = True,
+               others: tuple[ProgramChoice, ...] = ()) -> RewriteOutcome: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,7 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
     infos, budget = request.infos, request.budget
     layouts, target, profile = planner.layouts, planner.target, planner.target.profile()
     candidates: list[tuple[str, float, RewriteOutcome]] = []
+    other_schedules: dict[str, tuple[ProgramChoice, ...]] = {}  # per candidate, for the GA's first generation
     least = request.needed_bytes
 
     def with_swaps(label: str, outcome: RewriteOutcome, programs) -> None:
@@ -168,6 +171,7 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
         if found.choice is not None:
             passes = ("recompute", "swap") if outcome.added_nodes else ("swap",)
             candidates.append((label, found.seconds, dataclasses.replace(outcome, choice=found.choice.with_passes(passes))))
+            other_schedules[label] = found.others
 
     recomputed = planner.recompute.plan(infos, budget, [], request.needed_bytes)
     least = min(least, recomputed.needed_bytes)
@@ -195,7 +199,8 @@ def _recompute_or_swap(planner: Planner, request: Request) -> Proposal:
     label, seconds, best = min(candidates, key=lambda c: c[1])
     if label != "recompute":
         planner.recompute.forget(infos)  # the recompute plan was not taken: no reuse of it
-    best = planner.refine(best, seconds, budget, search=label != "recompute")  # only the winner
+    best = planner.refine(best, seconds, budget, search=label != "recompute",  # only the winner
+                          others=other_schedules.get(label, ()))
     logger.info("recompute or swap for %s on %s: %s (%s)", target.graph.name, profile.name, label,
                 ", ".join(f"{name}: {t * 1e3:.2f} ms" for name, t in weighed))
     return Proposal(dataclasses.replace(best, needed_bytes=least), weighed, tuple(costs))

@@ -23,6 +23,7 @@ from graph_passes.ir.memory import simulate_program
 from graph_passes.ir.program import lower
 from graph_passes.cost.simulator import simulate_time
 from graph_passes.cost.step_bound import link_time, step_time_bound
+from graph_passes.planning.swap.plan_search import refine_swap_plan
 from graph_passes.planning.swap.search import SwapSearch
 from helpers import batches
 from models import get_model
@@ -301,6 +302,26 @@ def test_ga_refines_a_recompute_and_swap_plan_bitwise_equal_and_within_budget(mo
     assert losses == ref_losses and all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
     report = trainer.report()
     assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
+
+def test_the_recompute_and_swap_winner_is_refined_with_its_other_schedules(monkeypatch):
+    """The recompute-and-swap strategy hands the GA the winner's other schedules' best plans,
+    as the swap strategy does: the search gets them, and they are plans of the winner's graph."""
+    from graph_passes.planning import driver
+
+    calls = []
+
+    def recording(layouts, choice, seconds, infos, budget, model, **kwargs):
+        calls.append((choice, model, kwargs.get("others", ())))
+        return refine_swap_plan(layouts, choice, seconds, infos, budget, model, **kwargs)
+
+    monkeypatch.setattr(driver, "refine_swap_plan", recording)
+    trainer, _, _ = _train("gpt", "0.25x", plan_time=60.0, steps=1, passes=("recompute", "swap"), evaluations=2)
+    assert trainer.runner.last_plan_search.method == "ga" and len(calls) == 1
+    choice, model, others = calls[0]
+    assert others and all(o.program is not choice.program for o in others)
+    for other in others:  # each runs every node of the winner's graph once
+        assert sorted(i for b in other.program.blocks for i in b.node_indices) == list(range(len(model.graph.node)))
 
 
 def test_plan_time_is_checked():
