@@ -66,6 +66,26 @@ def simulate_program(
     )
 
 
+def least_budget_bytes(program, infos, *, budget: int | None = None, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """``simulate_program(program, infos, budget=budget).min_budget_bytes``, replaying a second
+    step only where it can differ: the live bytes at every step depend on which tensors are
+    live, not on where they are, so a step that ends holding what it started with repeats
+    them. A search checks thousands of plans against the budget this way; the one it keeps gets
+    the full replay."""
+    allocator = BestFitAllocator(alignment=alignment)
+    for name in program.state_inputs:
+        allocator.allocate(name, infos[name].nbytes)
+    start = set(allocator.names())
+    need = 0
+    for _ in range(2):
+        timeline: list[MemoryPoint] = []
+        _replay_one_step(allocator, program, infos, timeline, budget)
+        need = max([need] + [p.in_use + p.workspace for p in timeline])
+        if set(allocator.names()) == start:
+            break
+    return need
+
+
 def allocation_units(program, allocates):
     """A block's allocations in order as (name, pieces): a split view's pieces are one
     allocation of the whole value (``pieces`` then names them), everything else alone (())."""

@@ -27,6 +27,7 @@ from graph_passes.planning.schedule import training_spine, updates_start
 
 # Block sizes (nodes per block) tried below the whole graph, largest first.
 AUTO_BLOCK_SIZES = (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+NODE_TIMES_KEPT = 24  # graphs whose node times a layouts object keeps: a search's graph and its recompute rewrites
 
 
 def block_size_candidates(num_nodes: int, max_block_nodes: int | None) -> list[int]:
@@ -79,6 +80,7 @@ class BlockLayouts:
         self._node_io_of: dict[int, tuple[onnx.ModelProto, list]] = {}  # id(model) -> (model, node_io)
         self._updates_cut_of: dict[int, tuple[onnx.ModelProto, int | None]] = {}  # id(model) -> (model, cut)
         self._memo: dict | None = None  # while memoized(): lowerings and replays by the ids of what made them
+        self._node_times_of: dict[tuple, NodeTimesOnce] = {}  # (id(model), id(infos), profile) -> node times
 
     @contextlib.contextmanager
     def memoized(self):
@@ -170,10 +172,21 @@ class BlockLayouts:
     def simulated_time(self, program: Program, infos, model: onnx.ModelProto, budget: int) -> float:
         """Step time of ``program`` simulated on the planning profile."""
         profile = self.target.profile()
-        cost = self._memoized(("node times", id(model), id(infos), profile.name), (model, infos),
-                              lambda: NodeTimesOnce(AnalyticalCostModel(profile), model, infos))
-        return simulate_time(program, infos, model=model, cost_model=cost, profile=profile,
-                             budget=budget, alignment=self.target.alignment).step_time_s
+        return simulate_time(program, infos, model=model, cost_model=self._node_times(model, infos, profile),
+                             profile=profile, budget=budget, alignment=self.target.alignment).step_time_s
+
+    def _node_times(self, model: onnx.ModelProto, infos, profile: DeviceProfile) -> NodeTimesOnce:
+        """The analytical node times of ``model`` for ``infos``, kept for the last
+        :data:`NODE_TIMES_KEPT` graphs timed (a search times one graph, or its recompute
+        rewrites, thousands of times); each entry holds its model and infos, so ids stay theirs."""
+        key = (id(model), id(infos), profile.name)
+        entry = self._node_times_of.pop(key, None)
+        if entry is None or entry.model is not model or entry.infos is not infos:
+            entry = NodeTimesOnce(AnalyticalCostModel(profile), model, infos)
+        self._node_times_of[key] = entry  # the most recent last
+        while len(self._node_times_of) > NODE_TIMES_KEPT:
+            del self._node_times_of[next(iter(self._node_times_of))]
+        return entry
 
     def lowerings(self, model: onnx.ModelProto, infos, schedule):
         """``model`` lowered with each candidate block size, largest first (lazily)."""

@@ -61,7 +61,7 @@ import onnx_ir.passes
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.liveness import node_io
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
-from graph_passes.ir.memory import simulate_program
+from graph_passes.ir.memory import least_budget_bytes
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
 from graph_passes.ir.program import Program, order_dependent_closure, program_order
 from graph_passes.ir.shapes import TensorInfo
@@ -189,10 +189,9 @@ def decode(genome: Genome, space: SearchSpace, planner: SwapPlanner | None = Non
         return None
     placed = hoist_swap_ins(issue_swap_outs_early(apply_swap_plan(program, plan)), infos,
                             budget=space.budget, alignment=space.alignment)
-    trace = simulate_program(placed, infos, budget=space.budget, alignment=space.alignment)
-    if trace.min_budget_bytes > space.budget:
+    if least_budget_bytes(placed, infos, budget=space.budget, alignment=space.alignment) > space.budget:
         return None
-    return SwapCandidate(program, plan, placed, trace, GA_LABEL, evaluate(placed))
+    return SwapCandidate(program, plan, placed, None, GA_LABEL, evaluate(placed))  # the kept plan's trace: refine_swap_plan
 
 
 class _Variants:
@@ -556,8 +555,8 @@ class GeneticSwapSearch:
                 seeds += [ops.independent_spread(population[0], span) for span in ("forward", "first", "step")]
                 if ops.recomputable:
                     seeds[2:2] = [ops.recompute_cheaper(population[0], ratio) for ratio in RECOMPUTE_RATIOS]
-                seeds = list(dict.fromkeys([*extra, *seeds]))[: len(children)]
-                children[: len(seeds)] = seeds
+                seeds = list(dict.fromkeys([*extra, *seeds]))  # all of them: the other schedules' plans
+                children = seeds + children[len(seeds):]  # must not crowd out the recompute seeds
             return children
         children = []
         for _ in range(cfg.children):

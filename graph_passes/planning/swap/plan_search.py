@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Callable, Mapping
 
+from graph_passes.ir.memory import simulate_program
 from graph_passes.planning.swap.ga import GAConfig, GeneticSwapSearch, SearchSpace, Variant
 from graph_passes.planning.swap.search import SwapCandidate
 
@@ -76,7 +77,12 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
                         result.evaluations, result.stopped, recomputed, result.feasible, result.lead_evaluations)
     if not result.improved:
         return Refined(choice, seconds, record)
-    improved = dataclasses.replace(choice, program=best.program, trace=best.trace, base_program=best.base_program,
+    trace = best.trace or simulate_program(best.program, result.variant.infos if result.variant is not None else infos,
+                                           budget=budget, alignment=target.alignment)  # a GA genome's: not replayed yet
+    if trace.min_budget_bytes > budget:  # the GA checked its need in one step where two repeat it
+        raise RuntimeError(f"the GA's plan needs {trace.min_budget_bytes} bytes in the full replay, over the budget "
+                           f"{budget}: a planner bug, report it with the model and budget")
+    improved = dataclasses.replace(choice, program=best.program, trace=trace, base_program=best.base_program,
                                    swap_plan=best.plan)
     return Refined(improved, best.step_time_s, record, result.variant)
 

@@ -56,7 +56,7 @@ class SwapCandidate:
     base_program: Program  # the lowered program before swaps
     plan: SwapPlan
     program: Program  # with swaps placed
-    trace: MemoryTrace
+    trace: MemoryTrace | None  # None: checked against the budget only (a GA genome's), not replayed in full
     state_placement: str
     step_time_s: float
 

@@ -14,7 +14,7 @@ from graph_passes.ir import shapes
 from graph_passes.cost.device_profiles import V100_16GB_PCIE3
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.allocator import align_up
-from graph_passes.ir.memory import simulate_program
+from graph_passes.ir.memory import least_budget_bytes, simulate_program
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
 from graph_passes.ir.program import Block, Commit, Fetch, Load, Program, RunBlock, SwapIn, SwapOut, lower
 from graph_passes.cost.simulator import simulate_time
@@ -102,6 +102,19 @@ def test_early_swap_outs_in_one_pass_are_the_step_by_step_moves(seed):
             steps.append(Load(name))
     program = Program(tuple(blocks), tuple(steps), (), (), ())
     assert issue_swap_outs_early(program).steps == _swap_outs_moved_one_step_at_a_time(program)
+
+
+@pytest.mark.parametrize("width", [16, 256])
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.6, 1.0])
+def test_the_least_budget_in_one_step_is_the_full_replays(width, where):
+    """What the GA checks each genome with: the two-step arena replay's need, from one step where
+    the step ends holding what it started with (every planned program here: a steady state)."""
+    graph, infos, program, planned, budget = planned_chain(width, where)
+    host = SwapPlanner().plan(program, {n: align_up(i.nbytes) for n, i in infos.items()}, budget,
+                              host_state=[n for n in program.state_inputs][:2])
+    for candidate in (program, planned, issue_swap_outs_early(planned), apply_swap_plan(program, host)):
+        for cap in (None, budget) if candidate is not program else (None,):
+            assert least_budget_bytes(candidate, infos, budget=cap) == simulate_program(candidate, infos, budget=cap).min_budget_bytes
 
 
 def test_early_swap_outs_and_host_state_run_bitwise_equal_in_the_runtime():
