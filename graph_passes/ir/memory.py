@@ -51,9 +51,7 @@ def simulate_program(
     step starts from that layout. With a ``budget``, the arena is capped as the runtime caps
     it (the budget less the running block's workspace) and compacts when it must.
     """
-    allocator = BestFitAllocator(alignment=alignment)
-    for name in program.state_inputs:
-        allocator.allocate(name, infos[name].nbytes)
+    allocator = _allocator_at_step_start(program, infos, alignment)
     timeline: list[MemoryPoint] = []
     peak = need = 0
     for _ in range(steps):
@@ -72,9 +70,7 @@ def least_budget_bytes(program, infos, *, budget: int | None = None, alignment: 
     live, not on where they are, so a step that ends holding what it started with repeats
     them. A search checks thousands of plans against the budget this way; the one it keeps gets
     the full replay."""
-    allocator = BestFitAllocator(alignment=alignment)
-    for name in program.state_inputs:
-        allocator.allocate(name, infos[name].nbytes)
+    allocator = _allocator_at_step_start(program, infos, alignment)
     start = set(allocator.names())
     need = 0
     for _ in range(2):
@@ -84,6 +80,14 @@ def least_budget_bytes(program, infos, *, budget: int | None = None, alignment: 
         if set(allocator.names()) == start:
             break
     return need
+
+
+def _allocator_at_step_start(program, infos, alignment: int) -> BestFitAllocator:
+    """The arena when a step starts: the state placed first, in input order, as the runtime places it."""
+    allocator = BestFitAllocator(alignment=alignment)
+    for name in program.state_inputs:
+        allocator.allocate(name, infos[name].nbytes)
+    return allocator
 
 
 def allocation_units(program, allocates):
