@@ -370,7 +370,7 @@ class _GroupWriter:
         last = i == self.item.run.parts - 1
         previous = accumulators.get(name, micros[0])
         target = name if last and merge.scale is None else f"{name}{self.tag}_acc{i}"
-        accumulators[name], = self._node("Add", [previous, micros[i]], [target], f"{target}_add",
+        accumulators[name], = self._node("Add", [previous, micros[i]], [target], f"{name}{self.tag}_add{i}",
                                          f"sum the partial results of {name}")
         if target == name:
             self.merged[name] = accumulators[name]

@@ -12,7 +12,9 @@ one ``Split`` per input, so the lowering can make it a view) and lowered again; 
 the op's need less the most any node of the split needs (measured on the lowered program, views
 and merges included, so the planner never counts a saving the runtime does not realise) and its
 ``ΔT`` is TSPLIT Eq. 6 (:mod:`graph_passes.planning.split.cost`). Among the options that make the op fit,
-the lowest ``ΔT/ΔM`` wins; then the walk goes on. Where no option fits, planning stops with the
+the exact ones (every output merged by Concat or chained, so the split graph computes the same
+bits) come first, and among those the lowest ``ΔT/ΔM`` wins; a split that sums partial results
+(rounding differently) is taken only where no exact one fits. Then the walk goes on. Where no option fits, planning stops with the
 :class:`Bottleneck`. Once every step fits, everything else is the swap planner's: Belady
 eviction of live tensors, which is Alg. 2's swap choice for the tensor used furthest away.
 
@@ -38,7 +40,7 @@ from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
 from graph_passes.planning.split.rules import (
-    CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, split_options,
+    CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, is_exact, split_options,
 )
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
 
@@ -50,7 +52,8 @@ SPLIT_PARTS = (2, 4, 8, 16)
 @dataclasses.dataclass(frozen=True)
 class SplitChoice:
     """One split the planner took: ``node`` (its name, else its first output) ``parts`` ways on ``axis``; the op needed
-    ``needed_before`` bytes, its split needs ``needed_after``; ``added_time_s`` is Eq. 6."""
+    ``needed_before`` bytes, its split needs ``needed_after``; ``added_time_s`` is Eq. 6. ``exact``: no output is a
+    sum of partial results (the split node computes the op's bits)."""
 
     node: str
     axis: SplitAxis
@@ -58,6 +61,7 @@ class SplitChoice:
     needed_before: int
     needed_after: int
     added_time_s: float
+    exact: bool = True
 
     @property
     def saved_bytes(self) -> int:
@@ -79,6 +83,11 @@ class JointPlan:
     @property
     def added_time_s(self) -> float:
         return sum(c.added_time_s for c in self.choices)
+
+    @property
+    def exact(self) -> bool:
+        """Every split is exact: the split graph computes the unsplit graph's bits."""
+        return all(c.exact for c in self.choices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +199,8 @@ class JointPlanner:
         return {n: align_up(i.nbytes, self.alignment) for n, i in infos.items()}
 
     def _best_split(self, model, infos, constants, runs, index, need, budget):
-        """The cheapest split (lowest ΔT/ΔM) of node ``index`` that makes it fit, with the
-        rewritten graph, its infos and lowering; or the Bottleneck."""
+        """The cheapest split (exact first, then lowest ΔT/ΔM) of node ``index`` that makes it
+        fit, with the rewritten graph, its infos and lowering; or the Bottleneck."""
         node = model.graph.node[index]
         try:
             options = split_options(NodeInfo.of(node, infos, constants))
@@ -225,10 +234,11 @@ class JointPlanner:
                 group_nodes = [rewritten.graph.node[i] for i in sorted(group)]
                 added = split_added_time(node, infos, group_nodes, new_infos, self._cost_model(node, infos, group_nodes, new_infos, rewritten),
                                          views=views)
-                ratio = added / (need - after)
-                if best is None or (ratio, parts) < best[0]:
-                    choice = SplitChoice(_label(node), option.key, parts, need, after, added)
-                    best = ((ratio, parts), (run, choice, rewritten, new_infos, program))
+                exact = is_exact(option)
+                rank = (not exact, added / (need - after), parts)
+                if best is None or rank < best[0]:
+                    choice = SplitChoice(_label(node), option.key, parts, need, after, added, exact)
+                    best = (rank, (run, choice, rewritten, new_infos, program))
         if best is None:
             return Bottleneck(_label(node), node.op_type, least,
                               f"no split of {node.op_type} {_label(node)!r} (p in {self.parts}) brings its {need} bytes "

@@ -691,6 +691,12 @@ UNSPLITTABLE: dict[str, str] = {
 }
 
 
+def is_exact(option: SplitOption) -> bool:
+    """No output of ``option`` is a sum of partial results: its micro-ops and merges compute
+    the op's own bits (a Sum adds in another order than the op's kernel and rounds differently)."""
+    return all(merge.kind != SUM for merge in option.outputs)
+
+
 def split_options(node: NodeInfo) -> tuple[SplitOption, ...]:
     """The node's split options; raises :class:`UnsplittableOpError` for an op without a rule."""
     rule = SPLIT_RULES.get(node.op_type)
@@ -744,7 +750,7 @@ def ir_constant(value: ir.Value | None) -> np.ndarray | None:
 
 
 __all__ = [
-    "CHAIN", "CONCAT", "SUM", "SPLIT_RULES", "UNSPLITTABLE", "Carry", "Merge", "MicroShape", "NodeInfo",
+    "CHAIN", "CONCAT", "SUM", "SPLIT_RULES", "UNSPLITTABLE", "Carry", "Merge", "MicroShape", "NodeInfo", "is_exact",
     "SliceOn", "SplitAxis", "SplitOption", "SplitRule", "UnsplittableOpError", "Whole", "chunk_sizes",
     "constant_values", "find_option", "ir_constant", "split_options",
 ]

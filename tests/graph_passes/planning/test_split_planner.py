@@ -20,7 +20,7 @@ from graph_passes.ir.program import lower
 from graph_passes.planning.split.cost import measure_node_times, split_memory_saving
 from graph_passes.planning.split.graph_pass import Cut, SplitPlan, SplitRun, write_split_plan
 from graph_passes.planning.split.planner import Bottleneck, JointPlan, JointPlanner, split_node_count
-from graph_passes.planning.split.rules import CONCAT, SplitAxis
+from graph_passes.planning.split.rules import CONCAT, SUM, SplitAxis
 from graph_passes.planning.swap.planner import required_bytes
 from graph_passes.ir.allocator import align_up
 from helpers import max_relative_diff, train_ort
@@ -117,6 +117,59 @@ def test_split_ops_in_a_row_become_one_run_whose_pieces_flow_from_op_to_op():
     feeds = {"x": np.random.default_rng(0).standard_normal((64, 64), dtype=np.float32),
              "r": np.random.default_rng(1).standard_normal((1, 64), dtype=np.float32)}
     assert np.array_equal(run_graph(chained, feeds)["y"], run_graph(model, feeds)["y"])
+
+
+# A weight gradient: w[8, 8] = a^T @ s over a batch of 8192 rows (Gemm, transA). Its rows and
+# columns (Concat; a column cut of a or s is a copy) and its contracted batch axis (a Sum of
+# partial products; row cuts are views) all bring it under a budget just below its need; the Sum
+# split saves half the bytes, the Concats almost none, and the Sum costs less time.
+_WEIGHT_GRADIENT = """
+<ir_version: 9, opset_import: ["" : 20]>
+g (float[8192, 8] x, float[8192, 8] h) => (float y) {
+    a = Sigmoid(x)
+    s = Sigmoid(h)
+    w = Gemm<transA = 1>(a, s)
+    y = ReduceSum<keepdims = 0>(w)
+}
+"""
+
+
+def test_an_exact_split_wins_over_a_cheaper_sum_of_partial_products(monkeypatch):
+    """Where the Gemm's rows and its contracted axis both fit, the planner splits the rows
+    (a Concat: the same bits as the unsplit op) although the Sum split saves more for less time;
+    ranked by cost alone it would take the Sum. The exact plan computes the unsplit ``y``
+    bitwise, and a Sum split's last add is costed with its split (it carries the split's tag)."""
+    import graph_passes.planning.split.planner as split_planner
+
+    model = onnx.parser.parse_model(_WEIGHT_GRADIENT)
+    inputs = {n: shapes.TensorInfo(np.dtype(np.float32), (8192, 8)) for n in ("x", "h")}
+    infos = shapes.infer_tensor_infos(model, inputs)
+
+    def low(m, i):
+        return lower(m, i, state_pairs={}, data_inputs=["x", "h"], fetches=["y"], max_block_nodes=1)
+
+    planner = JointPlanner(lower=low, infer=lambda m: shapes.infer_tensor_infos(m, inputs),
+                           cost_model=AnalyticalCostModel(get_profile("H100")))
+    need = _least(low(model, infos), infos)
+    budget = need - 64
+    plan = planner.plan(model, infos, budget)
+    assert isinstance(plan, JointPlan) and plan.exact
+    (choice,) = plan.choices
+    assert (choice.node, choice.axis, choice.exact) == ("w", SplitAxis(CONCAT, 0), True)
+
+    monkeypatch.setattr(split_planner, "is_exact", lambda option: True)  # rank by ΔT/ΔM alone
+    by_cost = JointPlanner(lower=low, infer=planner.infer, cost_model=planner.cost_model).plan(model, infos, budget)
+    (cheaper,) = by_cost.choices
+    assert cheaper.axis == SplitAxis(SUM, 0) and cheaper.saved_bytes > choice.saved_bytes
+    assert cheaper.added_time_s / cheaper.saved_bytes < choice.added_time_s / choice.saved_bytes
+    summed, _ = write_split_plan(model, by_cost.split, infos, cut=Cut.SPLIT)
+    adds = [n.name for n in summed.graph.node if n.op_type == "Add"]
+    assert adds and all("__sp0" in name for name in adds)  # the merge is costed with its split
+
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((8192, 8), dtype=np.float32) for n in ("x", "h")}
+    exact, _ = write_split_plan(model, plan.split, infos, cut=Cut.SPLIT)
+    assert np.array_equal(run_graph(exact, feeds)["y"], run_graph(model, feeds)["y"])
 
 
 def test_the_planner_names_the_bottleneck_when_no_split_fits():
