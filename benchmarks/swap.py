@@ -409,6 +409,8 @@ def _row_fields(trainer, prepared, reference: _Reference, steps: _InterleavedSte
         blocks=len(prepared.program.blocks),
         base_blocks=len(prepared.base_program.blocks) if prepared.base_program is not None else None,
         passes=report["passes"],
+        # False: a split sums partial results (no exact split fitted), so bitwise is not expected.
+        split_exact=prepared.split_plan.exact if prepared.split_plan is not None else None,
         swaps_planned=plan.swap_count if plan is not None else 0,
         host_state_tensors=len(plan.host_state) if plan is not None else 0,
         setup_s=setup_s,

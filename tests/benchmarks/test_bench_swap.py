@@ -80,6 +80,7 @@ def test_budgets_peaks_and_bitwise_equality(quick_run):
             assert row["losses_bitwise_equal"] is True and row["state_bitwise_equal"] is True, row["budget"]
             assert row["losses"] == ref["losses"]
             assert row["blocks"] >= 1 and row["plan_time_s"] >= 0
+            assert row["split_exact"] is (True if "split" in row["passes"] else None), row["budget"]
         # Below the unplanned peak the swap pass moves bytes both ways; at 1.0x nothing moves.
         assert rows["1.0x"]["swap_out_bytes_per_step"] == 0 and rows["1.0x"]["swap_in_bytes_per_step"] == 0
         for budget in ("0.5x", "0.25x", "min"):

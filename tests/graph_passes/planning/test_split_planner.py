@@ -23,7 +23,7 @@ from graph_passes.planning.split.planner import Bottleneck, JointPlan, JointPlan
 from graph_passes.planning.split.rules import CONCAT, SUM, SplitAxis
 from graph_passes.planning.swap.planner import required_bytes
 from graph_passes.ir.allocator import align_up
-from helpers import max_relative_diff, train_ort
+from helpers import train_ort
 from ort_offload.errors import BudgetTooSmallError
 from ort_offload.trainer import resolve_passes
 from split_helpers import SPLIT_CHAIN_GRAPH, run as run_graph
@@ -231,10 +231,12 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
     for whole, pieces in prepared.program.views:  # pieces back to back make up the whole value
         assert len(pieces) >= 2 and whole not in pieces
     assert report["peak_device_bytes"] == prepared.trace.peak_device_bytes
-    for got, expected in zip(run.losses, unplanned.losses):
-        assert abs(got - expected) <= 1e-5 * abs(expected)
+    # Every op here has an exact split (Concat merges) that fits, and exact splits come first:
+    # five AdamW steps (which magnify any rounding change) give the unplanned run's bits.
+    assert prepared.split_plan.exact
+    assert run.losses == unplanned.losses
     for key, value in unplanned.state.items():
-        assert max_relative_diff(run.state[key], value) <= 1e-5, key
+        np.testing.assert_array_equal(run.state[key], value, err_msg=key)
 
 
 @pytest.mark.slow  # a minimum search with split (~20 s)
