@@ -39,6 +39,7 @@ from graph_passes.ir.program import Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
+from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.split.rules import (
     CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, is_exact, split_options,
 )
@@ -108,13 +109,14 @@ class SplitMemo:
     search): each split plan's rewritten graph, infos and lowering, and measured node times."""
 
     rewrites: dict = dataclasses.field(default_factory=dict)  # (id(model), id(infos), plan) -> (model, infos, rewrite)
-    measured: dict = dataclasses.field(default_factory=lambda: MEASURED)  # node signature -> seconds
+    measured: MeasuredTimes = dataclasses.field(default_factory=lambda: MEASURED)  # node signature -> seconds
 
 
 # Node times measured in ONNX Runtime (None: not measurable alone), by node signature, for every
-# planner of the process: a signature measured once keeps its time, so the same graph, signature
-# and budget get the same split plan again (the least budget stated is the one a run plans with).
-MEASURED: dict[tuple, float | None] = {}
+# planner of the process and kept on disk for later ones (time_cache): a signature measured once
+# keeps its time, so the same graph, signature and budget get the same split plan again (the
+# least budget stated is the one a run plans with, in this process and the next).
+MEASURED = MeasuredTimes()
 
 
 class JointPlanner:
@@ -135,12 +137,20 @@ class JointPlanner:
         self.lower, self.infer, self.cost_model = lower, infer, cost_model
         self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
         self.memo = memo if memo is not None else SplitMemo()
-        self._measured: dict[tuple, float | None] = self.memo.measured
+        self._measured: MeasuredTimes = self.memo.measured
         self._profiled: set[tuple] = set()  # signatures this planner charged measured times for
         self.candidates_tried = 0
         self.profiled = 0  # node signatures charged times measured in ONNX Runtime (measure=True)
 
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
+        """The split plan that lets every step fit ``budget``, or the op that cannot be made to."""
+        try:
+            return self._walk(model, infos, budget)
+        finally:
+            if self.measure:  # what this walk measured, for the next process (time_cache)
+                self._measured.save()
+
+    def _walk(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
         names = {_label(n): i for i, n in enumerate(model.graph.node) if _label(n)}
         constants = constant_values(model)
         runs: list[SplitRun] = []
