@@ -14,8 +14,8 @@ and merges included, so the planner never counts a saving the runtime does not r
 ``ΔT`` is TSPLIT Eq. 6 (:mod:`graph_passes.planning.split.cost`). Among the options that make the op fit,
 the exact ones (every output merged by Concat or chained, so the split graph computes the same
 bits) come first, and among those the lowest ``ΔT/ΔM`` wins; a split that sums partial results
-(rounding differently) is taken only where no exact one fits. Then the walk goes on. Where no option fits, planning stops with the
-:class:`Bottleneck`. Once every step fits, everything else is the swap planner's: Belady
+(rounding differently) is taken only where no exact one fits. Then the walk goes on. Where no
+option fits, planning stops with the :class:`Bottleneck`. Once every step fits, everything else is the swap planner's: Belady
 eviction of live tensors, which is Alg. 2's swap choice for the tensor used furthest away.
 
 The result is a frozen :class:`JointPlan`, checked before it is returned: the split graph,
@@ -39,10 +39,10 @@ from graph_passes.ir.program import Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
-from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.split.rules import (
     CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, is_exact, split_options,
 )
+from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
 
 logger = logging.getLogger(__name__)
