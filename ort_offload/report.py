@@ -42,6 +42,7 @@ REPORT_KEYS = (
     "accounted_peak_bytes",  # extension: arena extent + running block's workspace, as plans count them
     "device_overhead_bytes",  # extension: device memory taken before the first tensor (CUDA context, handles); None on the CPU
     "budget_resolved_against",  # extension: a fraction budget's basis: {source, shapes, peak_bytes}; None for bytes
+    "split_exact",  # extension: every split merges by Concat (bitwise equal); False: one sums partials; None: no split
 )
 
 

@@ -435,6 +435,7 @@ class OrtTrainer:
             "accounted_peak_bytes": accounted,
             "device_overhead_bytes": overhead,
             "budget_resolved_against": basis.as_report() if fraction and basis is not None else None,
+            "split_exact": self._split_exact(),
         }
         assert tuple(report) == REPORT_KEYS
         if overhead is not None:  # extension: what each block session holds (CUDA library handles)
@@ -443,6 +444,11 @@ class OrtTrainer:
         if self.loop is not None:  # extension: the global gradient norm of each update
             report["grad_norms"] = list(self.grad_norms)
         return report
+
+    def _split_exact(self) -> bool | None:
+        """Whether every split plan run so far is exact (Concat merges only); None: none split."""
+        plans = [p.split_plan for p in self.runner.prepared_steps() if p.split_plan is not None]
+        return all(plan.exact for plan in plans) if plans else None
 
 
 def _step_number(array: np.ndarray) -> int:

@@ -309,6 +309,7 @@ class BlockwiseTrainer:
             "accounted_peak_bytes": peak,
             "device_overhead_bytes": None,
             "budget_resolved_against": self._resolved_against(),
+            "split_exact": None,
         }
         assert tuple(report) == REPORT_KEYS
         steps = stats.steps if stats else 0

@@ -69,6 +69,7 @@ def test_report_has_exactly_the_documented_keys():
     assert report["steps"] == 2 and len(report["losses"]) == 2
     assert report["budget_bytes"] == report["baseline_peak_bytes"]
     assert report["step_time_s_median"] > 0 and report["passes"] == []
+    assert report["split_exact"] is None  # nothing split
 
 
 @pytest.mark.parametrize("budget, passes", [("0.5x", "none"), ("0.3x", "none"), (4096, "none"), (4096, "auto")])

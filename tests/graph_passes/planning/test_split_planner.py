@@ -233,7 +233,7 @@ def test_auto_trains_below_the_least_budget_swap_and_recompute_can_plan(name):
     assert report["peak_device_bytes"] == prepared.trace.peak_device_bytes
     # Every op here has an exact split (Concat merges) that fits, and exact splits come first:
     # five AdamW steps (which magnify any rounding change) give the unplanned run's bits.
-    assert prepared.split_plan.exact
+    assert prepared.split_plan.exact and report["split_exact"] is True
     assert run.losses == unplanned.losses
     for key, value in unplanned.state.items():
         np.testing.assert_array_equal(run.state[key], value, err_msg=key)
