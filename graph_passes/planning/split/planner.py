@@ -218,7 +218,9 @@ class JointPlanner:
             return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
         best, least = None, need
-        for option in options:
+        for option in sorted(options, key=lambda o: not is_exact(o)):  # exact ones first (stable)
+            if best is not None and not best[0][0] and not is_exact(option):
+                break  # an exact split fits: no sum of partial results can win
             fitted = False
             for parts in self.parts:
                 if parts > option.extent or fitted:  # more parts than the fewest that fit: more launches, same op

@@ -156,6 +156,7 @@ def test_an_exact_split_wins_over_a_cheaper_sum_of_partial_products(monkeypatch)
     assert isinstance(plan, JointPlan) and plan.exact
     (choice,) = plan.choices
     assert (choice.node, choice.axis, choice.exact) == ("w", SplitAxis(CONCAT, 0), True)
+    assert planner.candidates_tried == 2  # rows and columns; the Sum is not tried once an exact split fits
 
     monkeypatch.setattr(split_planner, "is_exact", lambda option: True)  # rank by ΔT/ΔM alone
     by_cost = JointPlanner(lower=low, infer=planner.infer, cost_model=planner.cost_model).plan(model, infos, budget)
