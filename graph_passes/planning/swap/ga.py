@@ -231,9 +231,10 @@ class _Operators:
             for p in ps:
                 self.succs[p].append(i)
         late = order_dependent_closure(list(model.graph.node), io, seed.schedule)
-        self.movable = len(seed.schedule) - len(late)
-        if set(seed.schedule[self.movable:]) != late:
-            self.movable = 0  # the late nodes are not a suffix: keep the schedule as it is
+        # The schedule genes reorder the nodes before the first order-dependent one; from there
+        # on (those nodes and whatever the seed runs between them, e.g. state updates) the seed's
+        # order stays. Nothing before that point reads anything after it.
+        self.movable = min((k for k, n in enumerate(seed.schedule) if n in late), default=len(seed.schedule))
         self.state = tuple(sorted(state))
         swapped = {s.name for s in seed_plan.steps if hasattr(s, "copy")}
         values = {n for b in seed_plan.blocks for n in b.outputs} | set(seed_plan.state_inputs)

@@ -141,6 +141,43 @@ def test_children_are_topological_and_keep_the_late_nodes_last():
 
 
 
+# An embedding-gradient-like scatter-add (order-dependent) in the middle of a seed's schedule,
+# with nodes after it that do not depend on it (as state updates follow it on gpt).
+_SCATTER_IN_THE_MIDDLE = """
+<ir_version: 9, opset_import: ["" : 20]>
+g (float[8, 4] x, int64[8, 1] idx) => (float z, float y) {
+    a = Relu(x)
+    b = Sigmoid(x)
+    s = ScatterND<reduction = "add">(a, idx, b)
+    z = ReduceSum<keepdims = 0>(s)
+    c = Tanh(b)
+    y = ReduceSum<keepdims = 0>(c)
+}
+"""
+
+
+def test_the_schedule_genes_reorder_what_runs_before_the_first_order_dependent_node():
+    """The seed runs the scatter-add's closure between other nodes (not as a suffix): the
+    schedule genes still reorder the nodes before it (here Relu and Sigmoid, either first) and
+    keep the seed's order from the scatter on, every schedule topological."""
+    from graph_passes.planning.swap.ga import Genome
+
+    model = onnx.parser.parse_model(_SCATTER_IN_THE_MIDDLE)
+    inputs = {"x": shapes.TensorInfo(np.dtype(np.float32), (8, 4)), "idx": shapes.TensorInfo(np.dtype(np.int64), (8, 1))}
+    infos = shapes.infer_tensor_infos(model, inputs)
+    program = lower(model, infos, state_pairs={}, data_inputs=["x", "idx"], fetches=["z", "y"])
+    seed = Genome((0, 1, 2, 3, 4, 5), frozenset(), frozenset(), (), EVICT_BELADY)
+    sizes = {n: align_up(i.nbytes) for n, i in infos.items()}
+    ops = _Operators(model, seed, program, (), random.Random(0), GAConfig(schedule_p=0.5), sizes)
+    assert ops.movable == 2  # the scatter is the third node
+    schedules = {seed.schedule}
+    for _ in range(40):
+        schedules.add(ops.mutate(seed).schedule)
+        schedules.add(ops.crossover(seed, ops.mutate(seed)).schedule)
+    assert {schedule[:2] for schedule in schedules} == {(0, 1), (1, 0)}
+    assert all(schedule[2:] == seed.schedule[2:] for schedule in schedules)
+
+
 def test_the_victim_order_is_a_gene_the_first_generation_tries():
     """The seed carries the grid plan's victim order (Belady here: the grid of ``_chain_space``
     tries Belady only); mutation flips it, and the first genome evaluated is the seed with the
