@@ -29,6 +29,8 @@ from typing import Callable
 
 import numpy as np
 
+from graph_passes.cache_files import write_json_replacing
+
 logger = logging.getLogger(__name__)
 
 GB = 10**9
@@ -293,10 +295,7 @@ def measure_cpu_profile(
                 key, flops / 1e9, profile.memory_bandwidth / 1e9, link / 1e9)
     cached[key] = profile.to_dict()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=2, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        write_json_replacing(path, cached, indent=2)
     except OSError as e:  # a read-only cache costs a re-measurement, nothing else
         logger.warning("cannot cache the cpu profile in %s (%s)", path, e)
     return profile

@@ -15,8 +15,9 @@ and merges included, so the planner never counts a saving the runtime does not r
 the exact ones (every output merged by Concat or chained, so the split graph computes the same
 bits) come first, and among those the lowest ``ΔT/ΔM`` wins; a split that sums partial results
 (rounding differently) is taken only where no exact one fits. Then the walk goes on. Where no
-option fits, planning stops with the :class:`Bottleneck`. Once every step fits, everything else is the swap planner's: Belady
-eviction of live tensors, which is Alg. 2's swap choice for the tensor used furthest away.
+option fits, planning stops with the :class:`Bottleneck`. Once every step fits, everything else
+is the swap planner's: Belady eviction of live tensors, which is Alg. 2's swap choice for the
+tensor used furthest away.
 
 The result is a frozen :class:`JointPlan`, checked before it is returned: the split graph,
 lowered one node per block, swap-planned and replayed through the arena

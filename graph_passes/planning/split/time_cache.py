@@ -24,6 +24,7 @@ import math
 import os
 from pathlib import Path
 
+from graph_passes.cache_files import write_json_replacing
 from graph_passes.cost.device_profiles import cpu_model_name, profile_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def _is_time(value: object) -> bool:
 class MeasuredTimes:
     """Seconds by node signature (``None``: not measurable alone), read from and written to
     ``directory`` (default: the profile cache, looked up at each use, so a changed
-    ``ORT_OFFLOAD_CACHE_DIR`` is followed). :meth:`save` writes what was measured since."""
+    ``ORT_OFFLOAD_CACHE_DIR`` is followed: the new file is read, and times measured but not yet
+    saved under the old one are dropped). :meth:`save` writes what was measured since."""
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self._directory = Path(directory) if directory is not None else None
@@ -88,10 +90,7 @@ class MeasuredTimes:
         entries = document.setdefault(machine_key(), {})
         entries.update(self._unsaved)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(document, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, path)
+            write_json_replacing(path, document)
         except OSError as e:
             logger.warning("could not keep measured split times in %s (%s); they are measured again next time", path, e)
         self._unsaved.clear()

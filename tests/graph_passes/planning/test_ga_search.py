@@ -159,7 +159,7 @@ g (float[8, 4] x, int64[8, 1] idx) => (float z, float y) {
 def test_the_schedule_genes_reorder_what_runs_before_the_first_order_dependent_node():
     """The seed runs the scatter-add's closure between other nodes (not as a suffix): the
     schedule genes still reorder the nodes before it (here Relu and Sigmoid, either first) and
-    keep the seed's order from the scatter on, every schedule topological."""
+    keep the seed's order from the scatter on."""
     from graph_passes.planning.swap.ga import Genome
 
     model = onnx.parser.parse_model(_SCATTER_IN_THE_MIDDLE)
