@@ -142,7 +142,7 @@ def _add_transform_command(sub) -> None:
     transform.add_argument("--device-profile", default=None, choices=_profile_names(),
                            help="plan for this device profile's speeds (default: the device itself)")
     transform.add_argument("--plan-time", type=float, default=None,
-                           help="seconds of genetic swap search after the grid (GPU profiles; 0: grid only)")
+                           help="seconds of planning in all: what the grid leaves goes to a genetic swap search (GPU profiles; 0: grid only)")
     transform.add_argument("--plan-evaluations", type=int, default=None,
                            help="cap on the genetic search's plan evaluations: with it, the plan depends only on "
                                 "the seed, not on this machine's speed")

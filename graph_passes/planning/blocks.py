@@ -58,7 +58,7 @@ class PlanningTarget:
     measure_splits: bool = False  # profile split candidates on this machine (the CPU device)
     recompute_policy: str = "input_aware"
     selective_recompute: bool = True
-    plan_time: float = 0.0  # seconds of genetic swap search after the grid (0: grid only)
+    plan_time: float = 0.0  # seconds of planning in all; what the grid leaves goes to the GA (0: grid only)
     updates_early: bool = True  # swap plans may move state updates into the backward
     plan_seed: int = 0
     plan_evaluations: int | None = None  # a cap on the GA's evaluations (None: time only)

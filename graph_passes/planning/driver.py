@@ -91,6 +91,7 @@ class StepPlanner:
         self.last_choice: list[tuple[str, float]] = []  # recompute-or-swap candidates: (what, simulated s)
         self.last_segment_costs: list = []  # graph_passes.planning.offload_choice.SegmentCost of that choice
         self.last_plan_search: PlanSearch | None = None  # how the last swap plan was searched
+        self.deadline: float | None = None  # perf_counter() when this plan's plan_time ends (set by plan)
 
     @property
     def _recompute_allowed(self) -> bool:
@@ -101,6 +102,7 @@ class StepPlanner:
         """The plan for these input shapes. ``resolve_budget`` turns the unplanned peak into
         the budget in bytes (None: unlimited); ``probe_feeds`` are input values for shape
         probes, or a function returning them."""
+        self.deadline = time.perf_counter() + self.target.plan_time  # the grid's time counts too
         if callable(probe_feeds):
             probe_feeds = probe_feeds()
         infos = self.infer_infos(input_infos, probe_feeds=probe_feeds)
@@ -147,6 +149,7 @@ class StepPlanner:
         def plan_at(budget: int) -> StepPlan | Infeasible:
             probe = StepPlanner(self.target, layouts=self.layouts, exact_minimum=False)
             probe.split_memo, probe.recompute = memo, last[0].sibling()
+            probe.deadline = self.deadline  # the probes' searches share this plan's time
             last[0] = probe.recompute
             return probe._plan_at(input_infos, probe_feeds, infos, lambda _peak: budget)
 
@@ -298,7 +301,8 @@ class StepPlanner:
         if not search or not self.target.profile().copies_overlap_compute or self.target.blocks_fixed:
             return outcome
         refined = refine_swap_plan(self.layouts, outcome.choice, seconds, outcome.infos, budget, outcome.model,
-                                   others=tuple(others), **self._recompute_genes(outcome.model, outcome.infos, budget))
+                                   others=tuple(others), time_left_s=self._time_left(),
+                                   **self._recompute_genes(outcome.model, outcome.infos, budget))
         self.last_plan_search = refined.search
         if refined.variant is None:
             return dataclasses.replace(outcome, choice=refined.choice)
@@ -307,6 +311,12 @@ class StepPlanner:
                                    choice=refined.choice.with_passes(_with_recompute(refined.choice.passes)),
                                    added_nodes=outcome.added_nodes + variant.added_nodes,
                                    rewrites=(*outcome.rewrites, variant.rewrite))
+
+    def _time_left(self) -> float | None:
+        """Seconds of ``plan_time`` left for the genetic search: what planning so far (shape
+        inference, split and recompute candidates, the grid) has not used; None outside
+        :meth:`plan` (the GA then gets all of ``plan_time``)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     def _recompute_genes(self, model: onnx.ModelProto, infos, budget: int) -> dict:
         """The GA's per-tensor recompute genes on ``model`` (:mod:`graph_passes.planning.recompute.tensors`)
@@ -353,7 +363,7 @@ class StepPlanner:
             # Schedule, cuts, host state and keep/swap(/recompute) per tensor, searched from the grid's
             # best; the other schedules' best plans are in the first generation too.
             refined = refine_swap_plan(self.layouts, *best, infos, budget, model,
-                                       others=tuple(choice for choice, _ in others),
+                                       others=tuple(choice for choice, _ in others), time_left_s=self._time_left(),
                                        **self._recompute_genes(model, infos, budget))
             self.last_plan_search = refined.search
             if refined.variant is None:

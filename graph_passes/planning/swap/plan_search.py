@@ -51,15 +51,20 @@ class Refined:
 
 def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model, *,
                      recompute: Callable[[frozenset[str]], Variant] | None = None,
-                     recompute_ratio: Mapping[str, float] | None = None, others=()) -> Refined:
+                     recompute_ratio: Mapping[str, float] | None = None, others=(),
+                     time_left_s: float | None = None) -> Refined:
     """``choice`` (the grid's :class:`~graph_passes.planning.choice.ProgramChoice`) improved by
     the GA within the target's plan time. ``recompute``: the graph with some saved values
     recomputed (the GA's recompute genes, priced by ``recompute_ratio``); None: swap genes only.
     ``others``: more grid choices of the same graph (other schedules' best), tried in the GA's
-    first generation."""
+    first generation. ``time_left_s``: what planning has left of the plan time (None: all of
+    it); where nothing is left, the grid's plan stands (``stopped`` "time")."""
     target = layouts.target
     if target.plan_time <= 0:
         return Refined(choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0))
+    time_limit_s = target.plan_time if time_left_s is None else min(target.plan_time, time_left_s)
+    if time_limit_s <= 0:
+        return Refined(choice, seconds, PlanSearch(GRID, seconds, seconds, 0.0, stopped="time"))
     seed = _grid_candidate(choice, seconds)
     space = SearchSpace(
         model=model, infos=infos, budget=budget, alignment=target.alignment,
@@ -69,7 +74,7 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
     )
     started = time.perf_counter()
     extra = tuple(_grid_candidate(other, float("inf")) for other in others)  # the GA times them itself
-    result = GeneticSwapSearch(GAConfig(time_limit_s=target.plan_time, seed=target.plan_seed,
+    result = GeneticSwapSearch(GAConfig(time_limit_s=time_limit_s, seed=target.plan_seed,
                                          max_evaluations=target.plan_evaluations)).search(seed, space, extra)
     best = result.best
     recomputed = len(result.genome.recomputed) if result.genome is not None else 0
