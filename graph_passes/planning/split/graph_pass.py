@@ -199,9 +199,11 @@ def split_in_place(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorI
     replaced: dict[int, list[ir.Node]] = {}  # last run node -> the run's new nodes
     removed: set[int] = set()
     merged: dict[str, ir.Value] = {}  # run output read after the run -> the new value of its name
+    shared = _MergedPieces()
     micro_ops = 0
-    for number, item in enumerate(resolved):
-        group = _GroupWriter(number, item, nodes, infos, graph_outputs, readers, cut=cut)
+    # In the order the runs end, so a run that makes a value is written before the runs reading it.
+    for number, item in sorted(enumerate(resolved), key=lambda entry: entry[1].run.nodes[-1]):
+        group = _GroupWriter(number, item, nodes, infos, graph_outputs, readers, cut=cut, shared=shared)
         replaced[item.run.nodes[-1]] = group.write()
         merged.update(group.merged)
         removed.update(item.run.nodes)
@@ -212,6 +214,7 @@ def split_in_place(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorI
             new_nodes.extend(replaced[index])
         elif index not in removed:
             new_nodes.append(node)
+    new_nodes = shared.drop_unread_merges(new_nodes, merged, graph_outputs)
     order = stable_topological(new_nodes, available_values(graph))
     if order is None:
         raise UnsplittableOpError("the split left a cycle in the graph")
@@ -235,11 +238,45 @@ def _replace_runs(graph: ir.Graph, run_nodes: list[ir.Node], merged: Mapping[str
     graph.remove(run_nodes, safe=True)
 
 
+class _MergedPieces:
+    """The micro-tensors of each run output merged by ``Concat``, by (name, axis), so that a
+    later run cutting that value the same way reads them instead (TSPLIT's micro-tensors
+    flowing from run to run where a value has several readers, which :func:`chain_runs`
+    leaves merged). A merge that no node reads any more is dropped: the value then never
+    exists whole (at a budget barely above an op's need, a merge and a cut each take the whole
+    budget and send every other live value out and back)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[tuple[str, int], tuple[tuple[int, ...], list[ir.Value]]] = {}
+        self.concats: dict[str, ir.Node] = {}  # merged name -> its Concat
+
+    def add(self, name: str, axis: int, sizes: tuple[int, ...], micros: list[ir.Value], concat: ir.Node) -> None:
+        self.pieces[(name, axis)] = (sizes, micros)
+        self.concats[name] = concat
+
+    def get(self, name: str, axis: int, sizes: tuple[int, ...]) -> list[ir.Value] | None:
+        """The micro-tensors of ``name`` cut on ``axis`` into ``sizes``, where a run made them."""
+        found = self.pieces.get((name, axis))
+        return found[1] if found is not None and found[0] == sizes else None
+
+    def drop_unread_merges(self, nodes: list[ir.Node], merged: dict[str, ir.Value], graph_outputs) -> list[ir.Node]:
+        """``nodes`` without the merges whose value no other node reads (nor the graph
+        outputs); their names leave ``merged`` too."""
+        read = {name for node in nodes for name in read_names(node)}
+        unread = {id(concat) for name, concat in self.concats.items() if name not in read and name not in graph_outputs}
+        if not unread:
+            return nodes
+        for name, concat in self.concats.items():
+            if id(concat) in unread:
+                merged.pop(name, None)
+        return [node for node in nodes if id(node) not in unread]
+
+
 class _GroupWriter:
     """The nodes replacing one run."""
 
     def __init__(self, number, item: _Resolved, nodes: list[ir.Node], infos, graph_outputs, readers, *,
-                 cut: Cut) -> None:
+                 cut: Cut, shared: _MergedPieces | None = None) -> None:
         self.tag = f"__sp{number}"
         self.item = item
         self.nodes = nodes
@@ -252,6 +289,7 @@ class _GroupWriter:
         self.constants: dict[tuple, object] = {}
         self.sizes = None  # the Split's sizes input, once made
         self.merged: dict[str, ir.Value] = {}  # run output -> the new value taking its name
+        self.shared = shared if shared is not None else _MergedPieces()
 
     def _add(self, node: ir.Node, reason: str) -> ir.Node:
         node.metadata_props[PASS_KEY] = PASS_NAME
@@ -279,6 +317,10 @@ class _GroupWriter:
         if i in pieces:
             return pieces[i]
         parts, sizes = self.item.run.parts, self.item.sizes
+        made = self.shared.get(name, axis, tuple(sizes))
+        if made is not None:  # an earlier run's micro-tensors, cut as this run cuts them
+            pieces.update(enumerate(made))
+            return pieces[i]
         if self.cut is Cut.SPLIT:
             if self.sizes is None:
                 self.sizes = self._constant(f"split_sizes{self.tag}", np.asarray(sizes, np.int64),
@@ -326,6 +368,7 @@ class _GroupWriter:
                     self.merged[name], = self._node("Concat", micro[(position, name)], [name], f"{name}{self.tag}_concat",
                                                     f"merge {parts} micro-tensors of {name} on axis {merge.axis}",
                                                     axis=merge.axis)
+                    self.shared.add(name, merge.axis, tuple(self.item.sizes), micro[(position, name)], self.out[-1])
         return self.out
 
     def _micro_op(self, index: int, position: int, option: SplitOption, i: int, micro) -> ir.Node:

@@ -179,6 +179,43 @@ def test_plans_that_do_not_fit_the_graph_are_refused():
         SplitRun((0, 1), (SplitAxis(CONCAT, 0),), 2)
 
 
+FAN_OUT_GRAPH = """
+agraph (float[8, 6] x, float[8, 6] r) => (float[8, 6] y, float[8, 6] z)
+{
+    h = Relu(x)
+    y = Tanh(h)
+    z = Add(h, r)
+}
+"""
+
+
+@pytest.mark.parametrize("cut", list(Cut))
+def test_a_merged_value_whose_readers_cut_it_the_same_way_is_never_made_whole(cut):
+    """``h`` (a run's output, read by two other runs): each reads ``h``'s micro-tensors where it
+    cuts ``h`` on the same axis into the same pieces, and then nothing reads ``h`` whole: no
+    Concat and no cut of it. A reader cutting it otherwise, or reading it whole, keeps the merge."""
+    model, feeds = parse(FAN_OUT_GRAPH), {"x": RNG.standard_normal((8, 6)).astype(np.float32),
+                                          "r": RNG.standard_normal((8, 6)).astype(np.float32)}
+    infos = infos_for(model, feeds)
+    expected = run(model, feeds)
+
+    def rewrite(*runs):
+        rewritten = split_model(model, SplitPlan(runs), infos, cut=cut)
+        got = run(rewritten, feeds)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
+        cuts = [n for n in rewritten.graph.node if n.op_type in ("Split", "Slice") and n.input[0] == "h"]
+        return [n.output[0] for n in _ops(rewritten, "Concat")], cuts
+
+    relu, tanh, add = (SplitRun((k,), (SplitAxis(CONCAT, 0),), 2) for k in range(3))
+    concats, cuts = rewrite(add, tanh, relu)  # in any order in the plan
+    assert sorted(concats) == ["y", "z"] and not cuts
+    concats, cuts = rewrite(relu, tanh, SplitRun((2,), (SplitAxis(CONCAT, 0),), 4))  # four pieces: cut again
+    assert "h" in concats and cuts
+    concats, cuts = rewrite(relu, tanh)  # the Add reads h whole
+    assert "h" in concats and not cuts
+
+
 def test_sum_and_concat_runs_on_the_same_micro_tensors_square_matmul():
     """A run whose nodes read the same sliced input but merge differently (MatMul on rows then
     a weight-gradient-like MatMul over the same rows, Sum): both from one Split of x."""
