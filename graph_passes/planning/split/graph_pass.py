@@ -263,20 +263,18 @@ class _MergedPieces:
         """``nodes`` without the merges whose value no other node reads (nor the graph
         outputs); their names leave ``merged`` too."""
         read = {name for node in nodes for name in read_names(node)}
-        unread = {id(concat) for name, concat in self.concats.items() if name not in read and name not in graph_outputs}
-        if not unread:
-            return nodes
-        for name, concat in self.concats.items():
-            if id(concat) in unread:
-                merged.pop(name, None)
-        return [node for node in nodes if id(node) not in unread]
+        unread = [name for name in self.concats if name not in read and name not in graph_outputs]
+        for name in unread:
+            merged.pop(name, None)
+        dropped = {id(self.concats[name]) for name in unread}
+        return [node for node in nodes if id(node) not in dropped]
 
 
 class _GroupWriter:
     """The nodes replacing one run."""
 
     def __init__(self, number, item: _Resolved, nodes: list[ir.Node], infos, graph_outputs, readers, *,
-                 cut: Cut, shared: _MergedPieces | None = None) -> None:
+                 cut: Cut, shared: _MergedPieces) -> None:
         self.tag = f"__sp{number}"
         self.item = item
         self.nodes = nodes
@@ -289,7 +287,7 @@ class _GroupWriter:
         self.constants: dict[tuple, object] = {}
         self.sizes = None  # the Split's sizes input, once made
         self.merged: dict[str, ir.Value] = {}  # run output -> the new value taking its name
-        self.shared = shared if shared is not None else _MergedPieces()
+        self.shared = shared  # every run's merged micro-tensors, for the runs written after it
 
     def _add(self, node: ir.Node, reason: str) -> ir.Node:
         node.metadata_props[PASS_KEY] = PASS_NAME
