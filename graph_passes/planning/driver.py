@@ -13,6 +13,7 @@ Plans are timed on the target's device profile; nothing here runs the graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Mapping
@@ -39,7 +40,7 @@ from graph_passes.planning.split.graph_pass import Cut, SplitPass
 from graph_passes.planning.split.planner import Bottleneck, JointPlanner, SplitMemo, split_node_count
 from graph_passes.planning.swap.planner import EVICTION_ORDERS, blocks_over, required_bytes
 from graph_passes.planning.recompute.graph_pass import RecomputePass
-from graph_passes.planning.recompute.tensors import TensorRecompute
+from graph_passes.planning.recompute.tensors import TensorRecompute, TensorRewrite
 from graph_passes.planning.swap.ga import Variant
 from graph_passes.planning.swap.plan_search import GRID, PlanSearch, refine_swap_plan
 from graph_passes.planning.swap.search import STATE_NONE, SwapSearch
@@ -333,10 +334,12 @@ class StepPlanner:
 
         def variant(chosen: frozenset[str]) -> Variant:
             rewrite = tensors.rewrite(chosen)
+            sizes = {n: align_up(i.nbytes, self.target.alignment) for n, i in rewrite.infos.items()}
+            lower_rewrite = functools.partial(layouts.lower_with_cuts, rewrite.model, rewrite.infos)
             return Variant(rewrite.model, rewrite.infos, rewrite.clones,
                            rewrite=RecomputePass(rewrite.plan, loss_name=self.target.graph.loss_name),
-                           lower=lambda schedule, cuts: layouts.lower_with_cuts(
-                               rewrite.model, rewrite.infos, *rewrite.schedule(schedule, cuts)),
+                           lower=lambda schedule, cuts: lower_recomputed(lower_rewrite, rewrite, sizes, budget,
+                                                                         schedule, cuts),
                            evaluate=lambda p: layouts.simulated_time(p, rewrite.infos, rewrite.model, budget))
 
         return dict(recompute=variant, recompute_ratio=tensors.price(AnalyticalCostModel(profile), profile))
@@ -448,6 +451,18 @@ class StepPlanner:
         )
         choice = ProgramChoice(best.program, best.trace, ("swap",), best.base_program, best.plan)
         return (choice, best.step_time_s), needed
+
+
+def lower_recomputed(lower_with_cuts: Callable[[list[int], list[int]], Program], rewrite: TensorRewrite,
+                     sizes: Mapping[str, int], budget: int, schedule, cuts) -> Program:
+    """A per-tensor recompute rewrite lowered from a schedule and cuts of the graph it rewrote:
+    each clone in its reader's block, or every clone in a block of its own where a block would
+    not fit ``budget`` (no swap plan could run it), as under tight budgets a run of clones
+    re-creates more than fits at once."""
+    program = lower_with_cuts(*rewrite.schedule(schedule, cuts))
+    if not blocks_over(program, sizes, budget):
+        return program
+    return lower_with_cuts(*rewrite.schedule(schedule, cuts, isolate_clones=True))
 
 
 def _with_recompute(passes: tuple[str, ...]) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ The rewrite is the recompute pass's (:func:`~graph_passes.planning.recompute.gra
 with one segment, the union of the closures, saving the chosen values; its clones get a suffix
 index no earlier rewrite of the graph used. :meth:`TensorRecompute.rewrite` also maps a schedule
 and block cuts of the graph onto the rewritten one: each clone runs right before the first node
-in that schedule that reads it (its clone readers first), inside that node's block.
+in that schedule that reads it (its clone readers first), inside that node's block or, where asked
+(a block of clones and reader over the budget), in a block of its own.
 """
 
 from __future__ import annotations
@@ -47,12 +48,18 @@ class TensorRewrite:
     clone_reads: Mapping[int, tuple[int, ...]]  # node of ``model`` -> the clones it reads
     plan: RecomputePlan  # what wrote ``model`` from the graph given
 
-    def schedule(self, order: Sequence[int], cuts: Sequence[int]) -> tuple[list[int], list[int]]:
+    def schedule(self, order: Sequence[int], cuts: Sequence[int], *,
+                 isolate_clones: bool = False) -> tuple[list[int], list[int]]:
         """(schedule, cuts) of ``model`` from a schedule and block starts of the graph given:
-        every clone right before the first node that reads it, in the block of that node."""
+        every clone right before the first node that reads it, in the block of that node or,
+        with ``isolate_clones``, in a block of its own (that node then starts a block). A clone
+        run inside its reader's block holds every value the run re-creates at once: under a
+        tight budget more than the budget (gpt small at 12 MiB: blocks of 20 MiB), where blocks
+        of their own let the swap planner evict between them."""
         out: list[int] = []
         emitted: set[int] = set()
         starts: list[int] = []
+        originals = frozenset(self.original_index)
 
         def emit(node: int) -> None:
             stack = [(node, False)]
@@ -61,6 +68,8 @@ class TensorRewrite:
                 if current in emitted:
                     continue
                 if ready:
+                    if isolate_clones and (current not in originals or (out and out[-1] not in originals)):
+                        starts.append(len(out))
                     emitted.add(current)
                     out.append(current)
                     continue
@@ -72,7 +81,7 @@ class TensorRewrite:
             if position in cut_set:
                 starts.append(len(out))
             emit(self.original_index[node])
-        return out, sorted(c for c in starts if 0 < c < len(out))
+        return out, sorted({c for c in starts if 0 < c < len(out)})
 
 
 class TensorRecompute:

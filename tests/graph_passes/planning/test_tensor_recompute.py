@@ -49,11 +49,52 @@ def test_any_choice_of_saved_values_rewrites_with_the_same_numbers_and_a_topolog
         graph_inputs = {i.name for i in rewrite.model.graph.input} | {t.name for t in rewrite.model.graph.initializer}
         check_topological([rewrite.model.graph.node[i] for i in order], graph_inputs)
         assert len(cuts) == 2 and all(order[c] in rewrite.original_index for c in cuts)
+        # Clones isolated: the same order, the given cuts at their nodes, every clone in a block
+        # of its own and the node after a run of clones starting one; nothing else starts one.
+        isolated, isolated_cuts = rewrite.schedule(list(range(nodes)), [nodes // 3, 2 * nodes // 3],
+                                                   isolate_clones=True)
+        originals = set(rewrite.original_index)
+        clone_edges = {k for k in range(1, len(order)) if order[k] not in originals or order[k - 1] not in originals}
+        assert isolated == order and clone_edges and set(isolated_cuts) == set(cuts) | clone_edges
         # the originals of recomputed values are read by no backward node any more
         renamed = {n for n in chosen}
         for i, node in enumerate(rewrite.model.graph.node):
             if i in rewrite.original_index and rewrite.original_index.index(i) not in forward:
                 assert not renamed & set(node.input)
+
+
+def test_clones_get_blocks_of_their_own_where_their_readers_blocks_would_not_fit():
+    """gpt tiny with every saved value recomputed, one node a block: each clone run inside its
+    reader's block needs far more than the clones alone, so under a budget between the two the
+    lowering isolates the clones, in the same order, and every block fits."""
+    from graph_passes.ir.allocator import align_up
+    from graph_passes.ir.program import lower
+    from graph_passes.planning.driver import lower_recomputed
+    from graph_passes.planning.swap.planner import blocks_over, required_bytes
+
+    graph, _, infos = step_graph_and_feeds("gpt")
+    tensors = TensorRecompute(graph.model, infos, loss_name=graph.loss_name)
+    rewrite = tensors.rewrite(frozenset(tensors.candidates))
+    nodes = len(graph.model.graph.node)
+    sizes = {n: align_up(i.nbytes) for n, i in rewrite.infos.items()}
+
+    def lower_with_cuts(schedule, cuts):
+        return lower(rewrite.model, rewrite.infos, state_pairs=graph.state_pairs, data_inputs=graph.data_inputs,
+                     fetches=[graph.loss_name], max_block_nodes=len(rewrite.model.graph.node), schedule=schedule,
+                     extra_cuts=cuts)
+
+    schedule, cuts = list(range(nodes)), list(range(1, nodes))
+    in_readers = lower_with_cuts(*rewrite.schedule(schedule, cuts))
+    isolated = lower_with_cuts(*rewrite.schedule(schedule, cuts, isolate_clones=True))
+    budget = required_bytes(isolated, sizes)
+    assert required_bytes(in_readers, sizes) > 2 * budget and blocks_over(in_readers, sizes, budget)
+    program = lower_recomputed(lower_with_cuts, rewrite, sizes, budget, schedule, cuts)
+    assert not blocks_over(program, sizes, budget) and len(program.blocks) > len(in_readers.blocks)
+    order = [i for block in program.blocks for i in block.node_indices]
+    assert order == [i for block in in_readers.blocks for i in block.node_indices]
+    # Where the readers' blocks fit, they are kept.
+    roomy = required_bytes(in_readers, sizes)
+    assert lower_recomputed(lower_with_cuts, rewrite, sizes, roomy, schedule, cuts).blocks == in_readers.blocks
 
 
 SLOW_LINK = dataclasses.replace(V100_16GB_PCIE3, h2d_bandwidth=2e8, d2h_bandwidth=2e8, duplex_bandwidth=3e8)
@@ -164,3 +205,4 @@ def test_ga_plans_that_recompute_run_bitwise_equal_and_within_budget_on_the_cpu(
     assert search.step_time_s <= search.grid_step_time_s and "recompute" in report["passes"]
     assert losses == ref_losses and all(np.array_equal(state[k], ref_state[k]) for k in ref_state)
     assert report["within_budget"] and report["peak_device_bytes"] <= report["budget_bytes"]
+
