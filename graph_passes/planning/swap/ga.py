@@ -36,8 +36,10 @@ lowered, Belady-planned, swap-outs issued early, swap-ins hoisted, replayed thro
 (infeasible if over the budget), then timed by ``evaluate``. The population starts from the
 grid's best plan, kept as is, so the result is never slower than it. Selection keeps the best
 (elitism) and picks parents by tournament: SwapAdvisor's softmax over normalised times (its
-Eq. 1) barely prefers the best with a population this small. Random choices come from one
-``random.Random(seed)``: the same seed and the same number of evaluations give the same plan;
+Eq. 1) barely prefers the best with a population this small. A generation's children are timed
+side by side in forked workers (:mod:`graph_passes.planning.swap.evaluation`, ``GAConfig.workers``).
+Random choices come from one ``random.Random(seed)``: the same seed and the same number of
+evaluations give the same plan, with any number of workers;
 the time limit stops the search where it is and returns the best so far. A search that has
 converged (12 generations without a better plan) starts again from its best plan alone, with
 the first generation's seeds made from it, up to ``restarts`` times: the evaluations and time a
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from typing import Callable, Mapping, Sequence
@@ -58,6 +61,7 @@ from typing import Callable, Mapping, Sequence
 import onnx
 import onnx_ir.passes
 
+from graph_passes.planning.swap.evaluation import Evaluator, default_workers
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.liveness import node_io
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
@@ -92,6 +96,7 @@ class GAConfig:
     restarts: int = 8  # then start again from the best plan alone, this many times at most
     schedule_p: float = 0.02  # ready-set mutation: chance of a random pick
     gene_tensors: int = 96  # largest swapped or swappable tensors that carry a keep/swap gene
+    workers: int | None = None  # processes timing genomes side by side (None: default_workers())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,54 +472,63 @@ class GeneticSwapSearch:
         ops = _Operators(space.model, first, seed.base_program, seed.base_program.state_inputs, rng, cfg, sizes,
                          space.recompute_ratio if space.recompute is not None else None)
         variants = _Variants(space)
-        scored: dict[Genome, SwapCandidate | None] = {first: seed}
+        scored: dict[Genome, float] = {first: seed.step_time_s}  # simulated step time; inf: does not fit
         population: list[Genome] = [first]
         best, best_genome = seed, None
-        history, generations, stale, stopped = [], 0, 0, "converged"
-        evaluations = feasible = 0
-
-        def out_of_time() -> str | None:
-            if cfg.max_evaluations is not None and evaluations >= cfg.max_evaluations:
-                return "evaluations"
-            return "time" if self.clock() - start >= cfg.time_limit_s else None
-
-        restarts = cfg.restarts
-        while stale < cfg.stale_generations or restarts > 0:
-            if stale >= cfg.stale_generations:  # converged: start again from the best alone
-                restarts, stale, population = restarts - 1, 0, [best_genome or first]
-            children = self._children(population, scored, ops, fill=len(population) < cfg.population,
-                                      extra=extra if generations == 0 else ())
-            for child in children:
-                if (reason := out_of_time()) is not None:
-                    stopped = reason
+        history, generations, stale = [], 0, 0
+        tally = _Tally(cfg, self.clock, start)
+        with Evaluator(lambda g: self._decode(g, space, variants), cfg.workers or default_workers()) as evaluator:
+            restarts = cfg.restarts
+            while stale < cfg.stale_generations or restarts > 0:
+                if stale >= cfg.stale_generations:  # converged: start again from the best alone
+                    restarts, stale, population = restarts - 1, 0, [best_genome or first]
+                children = self._children(population, scored, ops, fill=len(population) < cfg.population,
+                                          extra=extra if generations == 0 else ())
+                decoded = self._evaluate(children, scored, evaluator, tally)
+                population = self._select({g for g in (*population, *children) if g in scored}, scored)
+                generations += 1
+                top = population[0]
+                if scored[top] < best.step_time_s:
+                    best, best_genome, stale = decoded.get(top) or self._decode(top, space, variants), top, 0
+                else:
+                    stale += 1
+                history.append(best.step_time_s)
+                if tally.stopped != "converged":
                     break
-                if child in scored:
-                    continue
-                scored[child] = self._decode(child, space, variants)
-                logger.debug("GA evaluation %d: %.4g s", evaluations, _time(scored[child]))
-                evaluations += 1
-                feasible += scored[child] is not None
-            population = self._select({g for g in (*population, *children) if g in scored}, scored)
-            generations += 1
-            top = scored[population[0]]
-            if top is not None and top.step_time_s < best.step_time_s:
-                best, best_genome, stale = top, population[0], 0
-            else:
-                stale += 1
-            history.append(best.step_time_s)
-            if stopped != "converged":
-                break
         polished = 0
-        if stopped != "time":
+        if tally.stopped != "time":
             best, best_genome, polished = self._lead_polish(
                 best_genome or first, best, best_genome, scored, ops, space, variants,
                 lambda: self.clock() - start < cfg.time_limit_s)
         seconds = self.clock() - start
         logger.info("GA swap search: %d generations, %d evaluations (%d fit), %.3g s -> %.3g s simulated in %.1f s (%s)",
-                    generations, evaluations, feasible, seed.step_time_s, best.step_time_s, seconds, stopped)
+                    generations, tally.evaluations, tally.feasible, seed.step_time_s, best.step_time_s, seconds,
+                    tally.stopped)
         variant = None if best_genome is None else variants(best_genome.recomputed)
-        return GAResult(best, best_genome, seed.step_time_s, generations, evaluations, feasible, seconds, stopped,
-                        tuple(history), variant, polished)
+        return GAResult(best, best_genome, seed.step_time_s, generations, tally.evaluations, tally.feasible, seconds,
+                        tally.stopped, tuple(history), variant, polished)
+
+    @staticmethod
+    def _evaluate(children: Sequence[Genome], scored: dict[Genome, float], evaluator: Evaluator,
+                  tally: "_Tally") -> dict[Genome, SwapCandidate]:
+        """The children not timed yet timed into ``scored``, ``evaluator.batch`` at a time while
+        the time limit and the evaluation cap allow (``tally`` counts them and says why it
+        stopped); returns the plans decoded in this process, by genome."""
+        pending = [c for c in dict.fromkeys(children) if c not in scored]
+        decoded: dict[Genome, SwapCandidate] = {}
+        while pending:
+            if (reason := tally.out_of_time()) is not None:
+                tally.stopped = reason
+                break
+            batch, pending = pending[: tally.allowed(evaluator.batch)], pending[evaluator.batch:]
+            for child, result in zip(batch, evaluator.evaluate(batch)):
+                scored[child] = result.seconds
+                if result.candidate is not None:
+                    decoded[child] = result.candidate
+                logger.debug("GA evaluation %d: %.4g s", tally.evaluations, result.seconds)
+                tally.evaluations += 1
+                tally.feasible += math.isfinite(result.seconds)
+        return decoded
 
     def _lead_polish(self, genome, best, best_genome, scored, ops: _Operators, space, variants, has_time):
         """After the search: batch-independent nodes pulled into the run that starts the best
@@ -527,11 +541,12 @@ class GeneticSwapSearch:
             child, count = ops.lead_more(genome, count), 2 * count
             if child == genome or child in scored or not has_time():
                 break
-            scored[child] = self._decode(child, space, variants)
+            candidate = self._decode(child, space, variants)
+            scored[child] = _time(candidate)
             made += 1
-            if scored[child] is None or scored[child].step_time_s >= best.step_time_s:
+            if candidate is None or candidate.step_time_s >= best.step_time_s:
                 break
-            genome, best, best_genome = child, scored[child], child
+            genome, best, best_genome = child, candidate, child
         return best, best_genome, made
 
     def _decode(self, genome: Genome, space: SearchSpace, variants: _Variants) -> SwapCandidate | None:
@@ -569,12 +584,35 @@ class GeneticSwapSearch:
     @staticmethod
     def _tournament(population, scored, rng: random.Random) -> Genome:
         a, b = rng.choice(population), rng.choice(population)
-        return a if _time(scored[a]) <= _time(scored[b]) else b
+        return a if scored[a] <= scored[b] else b
 
     def _select(self, genomes, scored) -> list[Genome]:
         """The best ``population`` genomes (infeasible ones last), in a deterministic order."""
-        ranked = sorted(genomes, key=lambda g: (_time(scored[g]), _order_key(g)))
+        ranked = sorted(genomes, key=lambda g: (scored[g], _order_key(g)))
         return ranked[: self.config.population]
+
+
+@dataclasses.dataclass
+class _Tally:
+    """One search's evaluations so far, and whether its time limit or evaluation cap is reached."""
+
+    config: GAConfig
+    clock: Callable[[], float]
+    start: float
+    evaluations: int = 0
+    feasible: int = 0  # evaluations within the budget
+    stopped: str = "converged"  # or "time" / "evaluations" once one of them stops the search
+
+    def out_of_time(self) -> str | None:
+        cap = self.config.max_evaluations
+        if cap is not None and self.evaluations >= cap:
+            return "evaluations"
+        return "time" if self.clock() - self.start >= self.config.time_limit_s else None
+
+    def allowed(self, count: int) -> int:
+        """At most ``count`` evaluations more, within the cap."""
+        cap = self.config.max_evaluations
+        return count if cap is None else min(count, cap - self.evaluations)
 
 
 def _time(candidate: SwapCandidate | None) -> float:

@@ -108,7 +108,8 @@ def test_deterministic_for_a_seed():
     assert runs[0].best.program.steps == runs[1].best.program.steps
 
 
-def test_time_limit_returns_the_best_so_far():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_limit_returns_the_best_so_far(workers):
     _, _, _, seed, space = _chain_space()
     now = [0.0]
 
@@ -116,9 +117,24 @@ def test_time_limit_returns_the_best_so_far():
         now[0] += 1.0
         return now[0]
 
-    result = GeneticSwapSearch(GAConfig(time_limit_s=5.0), clock=clock).search(seed, space)
-    assert result.stopped == "time" and result.evaluations <= 5
+    result = GeneticSwapSearch(GAConfig(time_limit_s=5.0, workers=workers), clock=clock).search(seed, space)
+    # The clock is read before each batch of `workers` genomes.
+    assert result.stopped == "time" and 0 < result.evaluations <= 5 * workers
     assert result.best.step_time_s <= seed.step_time_s
+
+
+def test_workers_time_the_same_genomes_to_the_same_plan():
+    """Genomes timed in forked workers (only their times come back; the parent decodes the best
+    again) give the search of one process: the same generations, plan and counts."""
+    _, _, _, seed, space = _chain_space()
+    runs = {w: GeneticSwapSearch(GAConfig(max_evaluations=40, time_limit_s=600, seed=3, workers=w)).search(seed, space)
+            for w in (1, 2, 3)}
+    one = runs[1]
+    assert one.evaluations == 40 and one.improved
+    for result in (runs[2], runs[3]):
+        assert (result.genome, result.history, result.evaluations, result.feasible, result.stopped) == (
+            one.genome, one.history, one.evaluations, one.feasible, one.stopped)
+        assert result.best.step_time_s == one.best.step_time_s and result.best.program == one.best.program
 
 
 def test_children_are_topological_and_keep_the_late_nodes_last():
@@ -201,7 +217,8 @@ def test_the_victim_order_is_a_gene_the_first_generation_tries():
             self.orders.append(kwargs["eviction"])
             return super().plan(*args, **kwargs)
 
-    GeneticSwapSearch(GAConfig(max_evaluations=3, time_limit_s=60), planner=Recording()).search(seed, space)
+    GeneticSwapSearch(GAConfig(max_evaluations=3, time_limit_s=60, workers=1),  # records in this process
+                      planner=Recording()).search(seed, space)
     assert Recording.orders[0] == EVICT_CLEAN_FIRST
 
 
@@ -261,7 +278,8 @@ def test_the_bound_is_below_every_grid_and_ga_plan(where):
         return times[-1]
 
     probe = dataclasses.replace(space, evaluate=evaluate)
-    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=3)).search(seed, probe)
+    # workers=1: the probe records the times this process sees.
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=3, workers=1)).search(seed, probe)
     assert len(times) > 5 and min(times) >= bound.seconds * (1 - 1e-9)
     assert seed.step_time_s >= bound.seconds * (1 - 1e-9)
 
@@ -427,7 +445,7 @@ def _slow_link_plan_times(graph, infos, seed, space) -> list[float]:
     grid = SwapSearch(while_improving=True).search(
         [space.lower(first.schedule, sorted(first.cuts))], infos, budget=space.budget, evaluate=evaluate)
     probe = dataclasses.replace(space, evaluate=evaluate)
-    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1)).search(grid.best, probe)
+    GeneticSwapSearch(GAConfig(max_evaluations=25, seed=1, workers=1)).search(grid.best, probe)  # times seen here
     return times
 
 
