@@ -146,6 +146,8 @@ def _add_transform_command(sub) -> None:
     transform.add_argument("--plan-evaluations", type=int, default=None,
                            help="cap on the genetic search's plan evaluations: with it, the plan depends only on "
                                 "the seed, not on this machine's speed")
+    transform.add_argument("--plan-workers", type=int, default=None, metavar="N",
+                           help="processes the genetic search times plans in (default: the usable cores, at most 4)")
 
 
 def _add_inspect_command(sub) -> None:
@@ -372,6 +374,7 @@ def _device(args):
         arena_policy=getattr(args, "arena_policy", "best_fit"), planning_profile=getattr(args, "device_profile", None),
         recompute_policy=getattr(args, "recompute_policy", "input_aware"),
         plan_time=getattr(args, "plan_time", None), plan_evaluations=getattr(args, "plan_evaluations", None),
+        plan_workers=getattr(args, "plan_workers", None),
     )
 
 
@@ -615,7 +618,8 @@ def _transform(args) -> int:
 
     device = _device(argparse.Namespace(device=args.device, budget=args.budget, block_nodes=None,
                                         device_profile=args.device_profile, plan_time=args.plan_time,
-                                        plan_evaluations=args.plan_evaluations))
+                                        plan_evaluations=args.plan_evaluations,
+                                        plan_workers=args.plan_workers))
     graph = _load_graph(args.graph)
     result = transform(graph, device, parse_input_shapes(args.input), tuple(resolve_passes(args.passes)))
     sweep_stale_temps(args.output)

@@ -43,6 +43,7 @@ def set_offload_device(
     plan_time: float | None = None,
     plan_seed: int = 0,
     plan_evaluations: int | None = None,
+    plan_workers: int | None = None,
 ) -> OffloadDevice:
     """The device to train on, capped at ``budget`` (bytes, "64MiB", or "0.5x" of the unplanned peak).
 
@@ -75,6 +76,8 @@ def set_offload_device(
         raise InvalidArgumentError(f"plan_time must be a number of seconds >= 0 (0: grid search only), got {plan_time!r}")
     if plan_evaluations is not None:
         check_count(plan_evaluations, name="plan_evaluations", minimum=1)
+    if plan_workers is not None:
+        check_count(plan_workers, name="plan_workers", minimum=1)
     if name == "cuda" and alignment is None:
         alignment = CUDA_ALIGNMENT
     return OffloadDevice(
@@ -84,5 +87,5 @@ def set_offload_device(
         async_swap_outs=async_swap_outs, recompute_policy=recompute_policy,
         selective_recompute=selective_recompute, release_block_workspace=release_block_workspace,
         plan_time=0.0 if plan_time is None else float(plan_time), plan_seed=int(plan_seed),
-        plan_evaluations=plan_evaluations,
+        plan_evaluations=plan_evaluations, plan_workers=plan_workers,
     )

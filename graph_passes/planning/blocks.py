@@ -62,6 +62,7 @@ class PlanningTarget:
     updates_early: bool = True  # swap plans may move state updates into the backward
     plan_seed: int = 0
     plan_evaluations: int | None = None  # a cap on the GA's evaluations (None: time only)
+    plan_workers: int | None = None  # processes timing the GA's genomes (None: the default)
     # Device memory each block's session holds while it exists (the CUDA EP's library
     # handles): a plan of N blocks has N of them less budget for its tensors.
     session_bytes: int = 0

@@ -62,6 +62,10 @@ class OffloadDevice:
     # A cap on the genetic search's plan evaluations (None: the time limit alone). With a cap
     # and a generous plan_time, the plan found depends on the seed only, not on the machine's speed.
     plan_evaluations: int | None = None
+    # Processes the genetic search times its genomes in (None: the usable cores, at most 4;
+    # graph_passes.planning.swap.evaluation). The plan for a seed and evaluation count is the same
+    # with any number; a time limit buys more evaluations with more.
+    plan_workers: int | None = None
 
     @property
     def swap_outs_are_async(self) -> bool:

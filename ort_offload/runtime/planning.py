@@ -46,7 +46,7 @@ def planning_target(graph: TrainingGraph, device: OffloadDevice, *, fetches: Seq
         max_block_nodes=device.max_block_nodes, measure_splits=device.kind == "cpu" and device.planning_profile is None,
         recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
         plan_time=device.plan_time, plan_seed=device.plan_seed,
-        plan_evaluations=device.plan_evaluations, session_bytes=session_bytes,
+        plan_evaluations=device.plan_evaluations, plan_workers=device.plan_workers, session_bytes=session_bytes,
     )
 
 

@@ -75,7 +75,8 @@ def refine_swap_plan(layouts, choice, seconds: float, infos, budget: int, model,
     started = time.perf_counter()
     extra = tuple(_grid_candidate(other, float("inf")) for other in others)  # the GA times them itself
     result = GeneticSwapSearch(GAConfig(time_limit_s=time_limit_s, seed=target.plan_seed,
-                                         max_evaluations=target.plan_evaluations)).search(seed, space, extra)
+                                         max_evaluations=target.plan_evaluations,
+                                         workers=target.plan_workers)).search(seed, space, extra)
     best = result.best
     recomputed = len(result.genome.recomputed) if result.genome is not None else 0
     record = PlanSearch(GA, seconds, best.step_time_s, time.perf_counter() - started, result.generations,

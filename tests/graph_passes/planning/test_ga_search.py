@@ -295,11 +295,12 @@ def test_the_split_bound_sees_evictions_the_compute_cannot_hide():
                          budget=space.budget).step_time_s >= bound.seconds
 
 
-def _train(name, budget, *, plan_time, seed=0, steps=3, passes="auto", evaluations=None):
+def _train(name, budget, *, plan_time, seed=0, steps=3, passes="auto", evaluations=None, workers=None):
     spec = get_model(name, "tiny")
     data = batches(name, steps)
     device = ort_offload.set_offload_device("cpu", budget=budget, planning_profile="V100-16GB-PCIe3",
-                                            plan_time=plan_time, plan_seed=seed, plan_evaluations=evaluations)
+                                            plan_time=plan_time, plan_seed=seed, plan_evaluations=evaluations,
+                                            plan_workers=workers)
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,
@@ -411,6 +412,24 @@ def test_plan_time_is_checked():
         ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=-1)
     with pytest.raises(ort_offload.errors.InvalidArgumentError):
         ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=5, plan_evaluations=0)
+    with pytest.raises(ort_offload.errors.InvalidArgumentError):
+        ort_offload.set_offload_device("cpu", budget="0.5x", plan_time=5, plan_workers=0)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_plan_workers_reach_the_search(monkeypatch, workers):
+    from graph_passes.planning.swap import plan_search
+
+    seen = []
+
+    class Recording(plan_search.GeneticSwapSearch):
+        def __init__(self, config=None, **kwargs):
+            seen.append(config.workers)
+            super().__init__(config, **kwargs)
+
+    monkeypatch.setattr(plan_search, "GeneticSwapSearch", Recording)
+    trainer, _, _ = _train("mlp", "0.25x", plan_time=60.0, steps=1, passes=("swap",), evaluations=4, workers=workers)
+    assert seen == [workers] and trainer.runner.last_plan_search.evaluations == 4
 
 
 def test_transform_reports_what_it_expects_of_the_plan(tmp_path):
