@@ -45,9 +45,13 @@ class Evaluated:
     candidate: SwapCandidate | None = None
 
 
-def _time_in_worker(genome) -> float:
-    candidate = _decode_in_worker(genome)
+def step_time_of(candidate: SwapCandidate | None) -> float:
+    """A decoded plan's simulated step time; ``math.inf`` for a genome that does not fit."""
     return math.inf if candidate is None else candidate.step_time_s
+
+
+def _time_in_worker(genome) -> float:
+    return step_time_of(_decode_in_worker(genome))
 
 
 class Evaluator:
@@ -68,7 +72,7 @@ class Evaluator:
     def evaluate(self, genomes: Sequence[object]) -> list[Evaluated]:
         """Each genome's :class:`Evaluated`, in order."""
         if self.batch == 1 or len(genomes) == 1:
-            return [_evaluated(self.decode(g)) for g in genomes]
+            return [Evaluated(step_time_of(c), c) for c in map(self.decode, genomes)]
         return [Evaluated(seconds) for seconds in self._workers().map(_time_in_worker, genomes, chunksize=1)]
 
     def _workers(self):
@@ -94,8 +98,4 @@ class Evaluator:
             _decode_in_worker = None
 
 
-def _evaluated(candidate: SwapCandidate | None) -> Evaluated:
-    return Evaluated(math.inf if candidate is None else candidate.step_time_s, candidate)
-
-
-__all__ = ["Evaluated", "Evaluator", "default_workers"]
+__all__ = ["Evaluated", "Evaluator", "default_workers", "step_time_of"]

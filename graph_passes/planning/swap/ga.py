@@ -61,7 +61,7 @@ from typing import Callable, Mapping, Sequence
 import onnx
 import onnx_ir.passes
 
-from graph_passes.planning.swap.evaluation import Evaluator, default_workers
+from graph_passes.planning.swap.evaluation import Evaluator, default_workers, step_time_of
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.liveness import node_io
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
@@ -542,7 +542,7 @@ class GeneticSwapSearch:
             if child == genome or child in scored or not has_time():
                 break
             candidate = self._decode(child, space, variants)
-            scored[child] = _time(candidate)
+            scored[child] = step_time_of(candidate)
             made += 1
             if candidate is None or candidate.step_time_s >= best.step_time_s:
                 break
@@ -613,10 +613,6 @@ class _Tally:
         """At most ``count`` evaluations more, within the cap."""
         cap = self.config.max_evaluations
         return count if cap is None else min(count, cap - self.evaluations)
-
-
-def _time(candidate: SwapCandidate | None) -> float:
-    return float("inf") if candidate is None else candidate.step_time_s
 
 
 def _order_key(g: Genome):
