@@ -54,7 +54,9 @@ def measure_node_times(
 ) -> dict[str, float]:
     """Median seconds of each node run alone in ONNX Runtime (one thread, no graph
     optimizations) on inputs of its shapes: constants where the graph has them, random floats,
-    zeros for integers (valid indices). Keyed by node name, for ``ProfiledCostModel(node_times=)``."""
+    zeros for integers (valid indices). Keyed by node name, for ``ProfiledCostModel(node_times=)``;
+    a node that fails on such inputs (a Reshape whose target shape another node computes) is
+    left out, for the caller's cost model."""
     import onnxruntime as ort
 
     constants = constant_values(model)
@@ -84,9 +86,9 @@ def measure_node_times(
         single = onnx.helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
         try:
             session = ort.InferenceSession(single.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        except Exception:  # an op that needs more context than one node (e.g. a custom domain)
+            session.run(None, feeds)  # warm-up
+        except Exception:  # needs more context than one node: a custom domain, a shape input made elsewhere
             continue
-        session.run(None, feeds)  # warm-up
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()

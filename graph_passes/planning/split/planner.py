@@ -245,8 +245,8 @@ class JointPlanner:
                 views = [n.name for i, n in enumerate(rewritten.graph.node)
                          if i in group and n.op_type == "Split" and n.input[0] in wholes]
                 group_nodes = [rewritten.graph.node[i] for i in sorted(group)]
-                added = split_added_time(node, infos, group_nodes, new_infos, self._cost_model(node, infos, group_nodes, new_infos, rewritten),
-                                         views=views)
+                cost_model = self._cost_model(node, model, infos, group_nodes, new_infos, rewritten)
+                added = split_added_time(node, infos, group_nodes, new_infos, cost_model, views=views)
                 exact = is_exact(option)
                 rank = (not exact, added / (need - after), parts)
                 if best is None or rank < best[0]:
@@ -274,14 +274,16 @@ class JointPlanner:
             entry = self.memo.rewrites[key] = (model, infos, rewrite)  # holding both keeps their ids
         return entry[2]
 
-    def _cost_model(self, node, infos, group_nodes, new_infos, rewritten) -> CostModel:
+    def _cost_model(self, node, model, infos, group_nodes, new_infos, rewritten) -> CostModel:
+        """The cost model charging ``node`` (of ``model``) and its micro-ops (of ``rewritten``)
+        their times measured here, each run in its own graph's constants."""
         if not self.measure:
             return self.cost_model
         times = {}
-        for n, n_infos, m in [(node, infos, None)] + [(g, new_infos, rewritten) for g in group_nodes]:
+        for n, n_infos, m in [(node, infos, model)] + [(g, new_infos, rewritten) for g in group_nodes]:
             key = _signature(n, n_infos)
             if key not in self._measured:
-                self._measured[key] = measure_node_times(m if m is not None else rewritten, [n], n_infos).get(n.name)
+                self._measured[key] = measure_node_times(m, [n], n_infos).get(n.name)
             if self._measured[key] is None:  # not measurable alone: the cost model's time
                 times[n.name] = self.cost_model.node_time(n, n_infos)
             else:

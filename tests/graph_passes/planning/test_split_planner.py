@@ -193,6 +193,20 @@ def test_measured_micro_ops_are_timed():
     assert set(times) == {n.name for n in micro} and all(t > 0 for t in times.values())
 
 
+def test_a_node_that_fails_on_made_up_inputs_is_left_to_the_cost_model():
+    # The target shape is made by another node: measured alone it gets zeros, [0, 0, 0], which a
+    # rank-2 input cannot take (dims copied from positions it does not have).
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+        g (float[4, 6] x, int64[3] s) => (float[4, 2, 3] y) { y = Reshape(x, s) }""")
+    model.graph.node[0].name = "reshape"
+    f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+    infos = {"x": shapes.TensorInfo(f32, (4, 6)), "s": shapes.TensorInfo(i64, (3,)), "y": shapes.TensorInfo(f32, (4, 2, 3))}
+    assert measure_node_times(model, model.graph.node, infos, repeats=1) == {}
+    shape = onnx.numpy_helper.from_array(np.array([4, 2, 3], dtype=np.int64), "s")
+    model.graph.initializer.append(shape)  # now a constant: measured
+    assert set(measure_node_times(model, model.graph.node, infos, repeats=1)) == {"reshape"}
+
+
 def test_a_measuring_planner_charges_profiled_micro_ops():
     model, infos, low, planner = _small()
     measuring = JointPlanner(lower=low, infer=planner.infer, cost_model=planner.cost_model, measure=True)
