@@ -41,7 +41,8 @@ from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
 from graph_passes.planning.split.rules import (
-    CONCAT, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, constant_values, find_option, is_exact, split_options,
+    CONCAT, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole, constant_values, find_option,
+    is_exact, split_options,
 )
 from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
@@ -141,6 +142,7 @@ class JointPlanner:
         self._measured: MeasuredTimes = self.memo.measured
         self._profiled: set[tuple] = set()  # signatures this planner charged measured times for
         self.candidates_tried = 0
+        self.candidates_skipped = 0  # options not rewritten: they cost what an option tried before them did
         self.profiled = 0  # node signatures charged times measured in ONNX Runtime (measure=True)
 
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
@@ -219,9 +221,16 @@ class JointPlanner:
             return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
         best, least = None, need
+        near_runs = None if self.measure else _RunAxes.of(model, infos, constants, runs)
+        classes: set[tuple] = set()  # cost classes (_cost_class) already tried
         for option in sorted(options, key=lambda o: not is_exact(o)):  # exact ones first (stable)
             if best is not None and not best[0][0] and not is_exact(option):
                 break  # an exact split fits: no sum of partial results can win
+            same = None if near_runs is None else _cost_class(node, option, infos, near_runs)
+            if same is not None and same in classes:
+                self.candidates_skipped += 1  # ties with one tried before it, which keeps the tie
+                continue
+            classes.add(same)
             fitted = False
             for parts in self.parts:
                 if parts > option.extent or fitted:  # more parts than the fewest that fit: more launches, same op
@@ -358,6 +367,58 @@ def _following_run(nodes, infos, constants, run: SplitRun, readers, outputs, by_
 def _label(node: onnx.NodeProto) -> str:
     """A node's name, or its first output for an unnamed node."""
     return node.name or next((o for o in node.output if o), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunAxes:
+    """The axes on which earlier runs merge (Concat) or cut (slice) each value: a later split
+    on the same axis shares their micro-tensors (:class:`~graph_passes.planning.split.graph_pass._MergedPieces`),
+    on any other axis it does not."""
+
+    merged: Mapping[str, frozenset[int]]
+    cut: Mapping[str, frozenset[int]]
+
+    @staticmethod
+    def of(model: onnx.ModelProto, infos, constants, runs) -> "_RunAxes":
+        merged: dict[str, set[int]] = {}
+        cut: dict[str, set[int]] = {}
+        for run in runs:
+            for index, key in zip(run.nodes, run.axes):
+                node = model.graph.node[index]
+                option = find_option(NodeInfo.of(node, infos, constants), key)
+                for name, part in zip(node.input, option.inputs):
+                    if isinstance(part, SliceOn):
+                        cut.setdefault(name, set()).add(part.axis)
+                for name, merge in zip(node.output, option.outputs):
+                    if merge.kind == CONCAT:
+                        merged.setdefault(name, set()).add(merge.axis)
+        return _RunAxes({n: frozenset(a) for n, a in merged.items()}, {n: frozenset(a) for n, a in cut.items()})
+
+
+def _cost_class(node: onnx.NodeProto, option: SplitOption, infos: Mapping[str, TensorInfo],
+                runs: _RunAxes) -> tuple | None:
+    """What ``option``'s ΔM and analytical ΔT depend on besides its axis, where they depend on
+    nothing else; None where they may. Then every input is sliced or read whole and every
+    output concatenated; no sliced input can be a view (a view needs only size-1 dims before
+    the axis); and no sliced input is merged, and no output cut, by an earlier run on the
+    option's axis (micro-tensors are shared per axis). Two such options with one class write
+    the same nodes on other axes: the same bytes per step and, in a roofline, the same times,
+    so the same rank, and the first tried keeps a tie. Elementwise ops on NCHW tensors offer
+    four axes, two or three of them alike."""
+    if option.key.merge != CONCAT or any(m.kind != CONCAT for m in option.outputs):
+        return None
+    if any(m.axis in runs.cut.get(name, ()) for name, m in zip(node.output, option.outputs)):
+        return None
+    sliced = []
+    for name, part in zip(node.input, option.inputs):
+        if isinstance(part, Whole):
+            sliced.append(None)
+        elif (isinstance(part, SliceOn) and name in infos and part.axis not in runs.merged.get(name, ())
+              and any(d != 1 for d in infos[name].shape[:part.axis])):
+            sliced.append(infos[name].nbytes)
+        else:
+            return None
+    return option.op_type, option.attributes, option.extent, tuple(sliced), len(option.outputs)
 
 
 def _is_split_node(node: onnx.NodeProto) -> bool:

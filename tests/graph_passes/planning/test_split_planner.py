@@ -19,6 +19,7 @@ from graph_passes.ir.memory import simulate_program
 from graph_passes.ir.program import lower
 from graph_passes.planning.split.cost import measure_node_times, split_memory_saving
 from graph_passes.planning.split.graph_pass import Cut, SplitPlan, SplitRun, write_split_plan
+from graph_passes.planning.split import planner as split_planner
 from graph_passes.planning.split.planner import Bottleneck, JointPlan, JointPlanner, split_node_count
 from graph_passes.planning.split.rules import CONCAT, SUM, SplitAxis
 from graph_passes.planning.swap.planner import required_bytes
@@ -171,6 +172,38 @@ def test_an_exact_split_wins_over_a_cheaper_sum_of_partial_products(monkeypatch)
     feeds = {n: rng.standard_normal((8192, 8), dtype=np.float32) for n in ("x", "h")}
     exact, _ = write_split_plan(model, plan.split, infos, cut=Cut.SPLIT)
     assert np.array_equal(run_graph(exact, feeds)["y"], run_graph(model, feeds)["y"])
+
+
+def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monkeypatch):
+    # An Add of two [2, 8, 8, 8] values: axis 0 may be a view, axes 1-3 write the same nodes
+    # on other axes (same bytes, same roofline times): one of them is rewritten, and the plan
+    # is the one trying every option gives.
+    text = SPLIT_CHAIN_GRAPH.replace("float[64, 64] x, float[1, 64] r", "float[2, 8, 8, 8] x, float[1, 8, 8, 8] r")
+    text = text.replace("int64[2] {64, 64}", "int64[4] {2, 8, 8, 8}")
+    model = onnx.parser.parse_model(text)
+    f32 = np.dtype(np.float32)
+    inputs = {"x": shapes.TensorInfo(f32, (2, 8, 8, 8)), "r": shapes.TensorInfo(f32, (1, 8, 8, 8))}
+    infos = shapes.infer_tensor_infos(model, inputs)
+
+    def low(m, i):
+        return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
+
+    def planner():
+        return JointPlanner(lower=low, infer=lambda m: shapes.infer_tensor_infos(m, inputs),
+                            cost_model=AnalyticalCostModel(get_profile("H100")))
+
+    budget = 3 * infos["a"].nbytes - infos["a"].nbytes // 4
+    fewer = planner()
+    plan = fewer.plan(model, infos, budget)
+    monkeypatch.setattr(split_planner, "_cost_class", lambda *args: None)
+    every = planner()
+    assert plan == every.plan(model, infos, budget) and isinstance(plan, JointPlan)
+    assert fewer.candidates_skipped == 2 and fewer.candidates_tried == every.candidates_tried - 2
+    # A planner measuring times on this machine tries every axis (measured times differ by axis).
+    monkeypatch.undo()
+    measuring = JointPlanner(lower=low, infer=fewer.infer, cost_model=fewer.cost_model, measure=True)
+    measuring.plan(model, infos, budget)
+    assert measuring.candidates_skipped == 0
 
 
 def test_the_planner_names_the_bottleneck_when_no_split_fits():
