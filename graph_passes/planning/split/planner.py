@@ -221,16 +221,17 @@ class JointPlanner:
             return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
         best, least = None, need
-        near_runs = None if self.measure else _RunAxes.of(model, infos, constants, runs)
+        run_axes = None if self.measure else _RunAxes.of(model, infos, constants, runs)  # measured: every axis
         classes: set[tuple] = set()  # cost classes (_cost_class) already tried
         for option in sorted(options, key=lambda o: not is_exact(o)):  # exact ones first (stable)
             if best is not None and not best[0][0] and not is_exact(option):
                 break  # an exact split fits: no sum of partial results can win
-            same = None if near_runs is None else _cost_class(node, option, infos, near_runs)
-            if same is not None and same in classes:
-                self.candidates_skipped += 1  # ties with one tried before it, which keeps the tie
-                continue
-            classes.add(same)
+            same = None if run_axes is None else _cost_class(node, option, infos, run_axes)
+            if same is not None:
+                if same in classes:
+                    self.candidates_skipped += 1  # ties with one tried before it, which keeps the tie
+                    continue
+                classes.add(same)
             fitted = False
             for parts in self.parts:
                 if parts > option.extent or fitted:  # more parts than the fewest that fit: more launches, same op
