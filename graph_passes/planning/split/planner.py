@@ -27,6 +27,7 @@ lowered one node per block, swap-planned and replayed through the arena
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from typing import Callable, Mapping
@@ -46,6 +47,7 @@ from graph_passes.planning.split.rules import (
 )
 from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
+from graph_passes.planning.workers import ForkedMap, default_workers
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,35 @@ class JointPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Tried:
+    """One candidate split of an op written into the graph: ``rewrite`` is (graph, infos,
+    lowering), None where the op cannot be split so; ``group`` its nodes in the graph (the
+    split's micro-ops, cuts and merges); ``after`` the most a step running one of them needs
+    (the lowering's views and merges included); ``fits`` where that is less than the op needed
+    and within the budget."""
+
+    option: SplitOption
+    run: SplitRun
+    rewrite: tuple | None
+    group: frozenset[int]
+    after: int
+    fits: bool
+
+    @staticmethod
+    def of(option: SplitOption, run: SplitRun, rewrite, tag: re.Pattern, need: int, budget: int,
+           sizes_of: Callable[[Mapping[str, TensorInfo]], dict[str, int]]) -> "_Tried":
+        if rewrite is None:
+            return _Tried(option, run, None, frozenset(), need, False)
+        rewritten, new_infos, program = rewrite
+        group = frozenset(i for i, n in enumerate(rewritten.graph.node) if tag.search(n.name))
+        sizes = sizes_of(new_infos)
+        after = max((step_need for i, step_need in step_requirements(program, sizes)
+                     if isinstance(program.steps[i], RunBlock)
+                     and group & set(program.blocks[program.steps[i].block].node_indices)), default=need)
+        return _Tried(option, run, rewrite, group, after, after < need and after <= budget)
+
+
+@dataclasses.dataclass(frozen=True)
 class Bottleneck:
     """Why no plan fits: ``node`` (op type ``op_type``; empty for a load or fetch) needs
     ``needed_bytes`` at best, more than the budget."""
@@ -134,10 +165,14 @@ class JointPlanner:
         self, *, lower: Callable[[onnx.ModelProto, Mapping[str, TensorInfo]], Program],
         infer: Callable[[onnx.ModelProto], Mapping[str, TensorInfo]], cost_model: CostModel,
         parts: tuple[int, ...] = SPLIT_PARTS, alignment: int = DEFAULT_ALIGNMENT, measure: bool = False,
-        max_splits: int = 256, memo: SplitMemo | None = None,
+        max_splits: int = 256, memo: SplitMemo | None = None, workers: int | None = None,
     ) -> None:
         self.lower, self.infer, self.cost_model = lower, infer, cost_model
         self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
+        # Processes the walk's candidate rewrites run in (None: default_workers(), or 1 where
+        # measuring, which profiles in ONNX Runtime in this process).
+        self.workers = workers or (1 if measure else default_workers())
+        self._walk_workers: tuple | None = None  # (graph, infos, ForkedMap) while plan() walks
         self.memo = memo if memo is not None else SplitMemo()
         self._measured: MeasuredTimes = self.memo.measured
         self._profiled: set[tuple] = set()  # signatures this planner charged measured times for
@@ -148,8 +183,11 @@ class JointPlanner:
     def plan(self, model: onnx.ModelProto, infos: Mapping[str, TensorInfo], budget: int) -> JointPlan | Bottleneck:
         """The split plan that lets every step fit ``budget``, or the op that cannot be made to."""
         try:
-            return self._walk(model, infos, budget)
+            with ForkedMap(functools.partial(self._rewrite, model, infos), self.workers) as workers:
+                self._walk_workers = (model, infos, workers)
+                return self._walk(model, infos, budget)
         finally:
+            self._walk_workers = None
             if self.measure:  # what this walk measured, for the next process (time_cache)
                 self._measured.save()
 
@@ -220,69 +258,101 @@ class JointPlanner:
         except UnsplittableOpError as e:
             return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
-        best, least = None, need
         run_axes = None if self.measure else _RunAxes.of(model, infos, constants, runs)  # measured: every axis
-        classes: set[tuple] = set()  # cost classes (_cost_class) already tried
-        for option in sorted(options, key=lambda o: not is_exact(o)):  # exact ones first (stable)
-            if best is not None and not best[0][0] and not is_exact(option):
-                break  # an exact split fits: no sum of partial results can win
-            same = None if run_axes is None else _cost_class(node, option, infos, run_axes)
-            if same is not None:
-                if same in classes:
-                    self.candidates_skipped += 1  # ties with one tried before it, which keeps the tie
-                    continue
-                classes.add(same)
-            fitted = False
-            for parts in self.parts:
-                if parts > option.extent or fitted:  # more parts than the fewest that fit: more launches, same op
-                    continue
-                run = SplitRun((index,), (option.key,), parts)
-                self.candidates_tried += 1
-                rewrite = self.rewritten(model, infos, SplitPlan((*runs, run)))
-                if rewrite is None:
-                    continue
-                rewritten, new_infos, program = rewrite
-                group = {i for i, n in enumerate(rewritten.graph.node) if tag.search(n.name)}
-                sizes = self._sizes(new_infos)
-                after = max((need_ for i, need_ in step_requirements(program, sizes)
-                             if isinstance(program.steps[i], RunBlock)
-                             and group & set(program.blocks[program.steps[i].block].node_indices)), default=need)
-                least = min(least, after)
-                if after >= need or after > budget:
-                    continue
-                fitted = True
-                wholes = {w for w, _ in program.views}
-                views = [n.name for i, n in enumerate(rewritten.graph.node)
-                         if i in group and n.op_type == "Split" and n.input[0] in wholes]
-                group_nodes = [rewritten.graph.node[i] for i in sorted(group)]
-                cost_model = self._cost_model(node, model, infos, group_nodes, new_infos, rewritten)
-                added = split_added_time(node, infos, group_nodes, new_infos, cost_model, views=views)
-                exact = is_exact(option)
-                rank = (not exact, added / (need - after), parts)
-                if best is None or rank < best[0]:
-                    choice = SplitChoice(_label(node), option.key, parts, need, after, added, exact)
-                    best = (rank, (run, choice, rewritten, new_infos, program))
+        exact = [o for o in options if is_exact(o)]
+        tried = self._tried(model, infos, runs, index, self._one_per_class(node, exact, infos, run_axes), tag, need, budget)
+        if not any(t.fits for t in tried):  # no exact split fits: a sum of partial results may
+            inexact = [o for o in options if not is_exact(o)]
+            tried += self._tried(model, infos, runs, index, self._one_per_class(node, inexact, infos, run_axes), tag,
+                                 need, budget)
+        best, least = None, need
+        for t in tried:
+            if t.rewrite is None:
+                continue
+            least = min(least, t.after)
+            if not t.fits:
+                continue
+            rewritten, new_infos, program = t.rewrite
+            wholes = {w for w, _ in program.views}
+            views = [n.name for i, n in enumerate(rewritten.graph.node)
+                     if i in t.group and n.op_type == "Split" and n.input[0] in wholes]
+            group_nodes = [rewritten.graph.node[i] for i in sorted(t.group)]
+            cost_model = self._cost_model(node, model, infos, group_nodes, new_infos, rewritten)
+            added = split_added_time(node, infos, group_nodes, new_infos, cost_model, views=views)
+            exact = is_exact(t.option)
+            rank = (not exact, added / (need - t.after), t.run.parts)
+            if best is None or rank < best[0]:  # the first tried keeps a tie
+                choice = SplitChoice(_label(node), t.option.key, t.run.parts, need, t.after, added, exact)
+                best = (rank, (t.run, choice, rewritten, new_infos, program))
         if best is None:
             return Bottleneck(_label(node), node.op_type, least,
                               f"no split of {node.op_type} {_label(node)!r} (p in {self.parts}) brings its {need} bytes "
                               f"under the budget {budget}; the best needs {least}")
         return best[1]
 
+    def _one_per_class(self, node, options, infos, run_axes) -> list[SplitOption]:
+        """``options`` less those in the cost class of one before them (:func:`_cost_class`;
+        ``run_axes`` None: every option is its own class)."""
+        classes: set[tuple] = set()
+        kept = []
+        for option in options:
+            same = None if run_axes is None else _cost_class(node, option, infos, run_axes)
+            if same is not None:
+                if same in classes:
+                    self.candidates_skipped += 1  # ties with one tried before it, which keeps the tie
+                    continue
+                classes.add(same)
+            kept.append(option)
+        return kept
+
+    def _tried(self, model, infos, runs, index, options, tag, need, budget) -> list["_Tried"]:
+        """Each option split into ``p`` in :attr:`parts` from the fewest up (at most its extent)
+        until one makes the op fit (more parts: more launches, same op), in the order of
+        ``options`` and then ``p``. Every round of rewrites (each open option's next ``p``) runs
+        side by side in :attr:`workers` processes; which rewrites are made does not depend on
+        how many."""
+        open_parts = {k: [p for p in self.parts if p <= option.extent] for k, option in enumerate(options)}
+        open_parts = {k: parts for k, parts in open_parts.items() if parts}
+        tried: list[tuple[int, _Tried]] = []
+        while open_parts:
+            round_ = [(k, parts.pop(0)) for k, parts in open_parts.items()]
+            runs_tried = [SplitRun((index,), (options[k].key,), p) for k, p in round_]
+            self.candidates_tried += len(runs_tried)
+            rewrites = self._rewrites(model, infos, [SplitPlan((*runs, run)) for run in runs_tried])
+            for (k, _), run, rewrite in zip(round_, runs_tried, rewrites):
+                result = _Tried.of(options[k], run, rewrite, tag, need, budget, self._sizes)
+                tried.append((k, result))
+                if result.fits or not open_parts[k]:
+                    del open_parts[k]
+        return [t for _, t in sorted(tried, key=lambda kt: (kt[0], kt[1].run.parts))]
+
     def rewritten(self, model: onnx.ModelProto, infos, plan: SplitPlan):
         """(graph, infos, one-node-per-block lowering) of ``model`` split by ``plan``; None where
         an op of it cannot be split so. Kept in the memo."""
-        key = (id(model), id(infos), plan)
-        entry = self.memo.rewrites.get(key)
-        if entry is None:
-            try:
-                rewritten, _ = write_split_plan(model, plan, infos, cut=Cut.SPLIT)
-            except UnsplittableOpError:
-                rewrite = None
-            else:
-                new_infos = self.infer(rewritten)
-                rewrite = (rewritten, new_infos, self.lower(rewritten, new_infos))
-            entry = self.memo.rewrites[key] = (model, infos, rewrite)  # holding both keeps their ids
-        return entry[2]
+        return self._rewrites(model, infos, [plan])[0]
+
+    def _rewrites(self, model: onnx.ModelProto, infos, plans: list[SplitPlan]) -> list:
+        """:meth:`rewritten` for each plan; those not in the memo made side by side (the walk's
+        workers, where ``model`` is the walk's graph) and kept there."""
+        keys = [(id(model), id(infos), plan) for plan in plans]
+        missing = [plan for key, plan in zip(keys, plans) if key not in self.memo.rewrites]
+        walk = self._walk_workers
+        if walk is not None and walk[0] is model and walk[1] is infos:
+            made = walk[2].map(missing)
+        else:
+            made = [self._rewrite(model, infos, plan) for plan in missing]
+        for plan, rewrite in zip(missing, made):
+            self.memo.rewrites[(id(model), id(infos), plan)] = (model, infos, rewrite)  # holding both keeps their ids
+        return [self.memo.rewrites[key][2] for key in keys]
+
+    def _rewrite(self, model: onnx.ModelProto, infos, plan: SplitPlan):
+        """:meth:`rewritten`, not memoised (what a worker runs)."""
+        try:
+            rewritten, _ = write_split_plan(model, plan, infos, cut=Cut.SPLIT)
+        except UnsplittableOpError:
+            return None
+        new_infos = self.infer(rewritten)
+        return rewritten, new_infos, self.lower(rewritten, new_infos)
 
     def _cost_model(self, node, model, infos, group_nodes, new_infos, rewritten) -> CostModel:
         """The cost model charging ``node`` (of ``model``) and its micro-ops (of ``rewritten``)

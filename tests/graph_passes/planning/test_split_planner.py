@@ -6,6 +6,7 @@ plan."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import onnx
@@ -204,6 +205,38 @@ def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monke
     measuring = JointPlanner(lower=low, infer=fewer.infer, cost_model=fewer.cost_model, measure=True)
     measuring.plan(model, infos, budget)
     assert measuring.candidates_skipped == 0
+
+
+def test_candidate_splits_rewritten_in_forked_workers_give_the_same_plan(tmp_path):
+    """An op's candidate splits are rewritten side by side in forked processes: the same
+    candidates, the same plan as in one process, and the rewrites did run elsewhere."""
+    text = SPLIT_CHAIN_GRAPH.replace("float[64, 64] x, float[1, 64] r", "float[2, 8, 8, 8] x, float[1, 8, 8, 8] r")
+    text = text.replace("int64[2] {64, 64}", "int64[4] {2, 8, 8, 8}")
+    model = onnx.parser.parse_model(text)
+    f32 = np.dtype(np.float32)
+    inputs = {"x": shapes.TensorInfo(f32, (2, 8, 8, 8)), "r": shapes.TensorInfo(f32, (1, 8, 8, 8))}
+    infos = shapes.infer_tensor_infos(model, inputs)
+    pids = tmp_path / "pids"
+
+    def infer(m):
+        with open(pids, "a") as f:  # every process that rewrites a candidate
+            f.write(f"{os.getpid()}\n")
+        return shapes.infer_tensor_infos(m, inputs)
+
+    def low(m, i):
+        return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
+
+    budget = 3 * infos["a"].nbytes - infos["a"].nbytes // 4
+    plans, tried = {}, {}
+    for workers in (1, 2):
+        planner = JointPlanner(lower=low, infer=infer, cost_model=AnalyticalCostModel(get_profile("H100")),
+                               workers=workers)
+        plans[workers], tried[workers] = planner.plan(model, infos, budget), planner.candidates_tried
+        if workers == 1:
+            assert set(pids.read_text().split()) == {str(os.getpid())}
+            pids.unlink()
+    assert isinstance(plans[1], JointPlan) and plans[1] == plans[2] and tried[1] == tried[2] > 1
+    assert set(pids.read_text().split()) - {str(os.getpid())}
 
 
 def test_the_planner_names_the_bottleneck_when_no_split_fits():
