@@ -594,7 +594,10 @@ class GeneticSwapSearch:
 
 @dataclasses.dataclass
 class _Tally:
-    """One search's evaluations so far, and whether its time limit or evaluation cap is reached."""
+    """One search's evaluations so far, and whether its time limit or evaluation cap is reached.
+    The limit is kept, not just checked: the search stops where the longest stretch between
+    two checks so far (a batch of evaluations, or a generation's bookkeeping and a new best
+    decoded) would run past it."""
 
     config: GAConfig
     clock: Callable[[], float]
@@ -602,12 +605,18 @@ class _Tally:
     evaluations: int = 0
     feasible: int = 0  # evaluations within the budget
     stopped: str = "converged"  # or "time" / "evaluations" once one of them stops the search
+    last_check: float | None = None
+    longest_gap: float = 0.0  # seconds between two checks, at most
 
     def out_of_time(self) -> str | None:
         cap = self.config.max_evaluations
         if cap is not None and self.evaluations >= cap:
             return "evaluations"
-        return "time" if self.clock() - self.start >= self.config.time_limit_s else None
+        now = self.clock()
+        if self.last_check is not None:
+            self.longest_gap = max(self.longest_gap, now - self.last_check)
+        self.last_check = now
+        return "time" if now - self.start + self.longest_gap >= self.config.time_limit_s else None
 
     def allowed(self, count: int) -> int:
         """At most ``count`` evaluations more, within the cap."""
