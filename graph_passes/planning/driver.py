@@ -270,6 +270,9 @@ class StepPlanner:
                         result.node, result.needed_bytes, result.reason)
             return result
         model, split_infos, _ = planner.rewritten(target.model, infos, result.split)
+        # The walk's rewrites (~1.4 MB each on cnn small, 196 of them) are freed here, not on
+        # return, where it took ~0.5 s past the plan time; a shared memo keeps them.
+        del planner
         split_nodes = split_node_count(model)
         programs = list(self.layouts.lowerings(model, split_infos, order_dependent_last(model)))
         choice, recomputed = None, 0
