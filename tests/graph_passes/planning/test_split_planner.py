@@ -175,10 +175,9 @@ def test_an_exact_split_wins_over_a_cheaper_sum_of_partial_products(monkeypatch)
     assert np.array_equal(run_graph(exact, feeds)["y"], run_graph(model, feeds)["y"])
 
 
-def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monkeypatch):
-    # An Add of two [2, 8, 8, 8] values: axis 0 may be a view, axes 1-3 write the same nodes
-    # on other axes (same bytes, same roofline times): one of them is rewritten, and the plan
-    # is the one trying every option gives.
+def _four_d():
+    """The split chain on [2, 8, 8, 8] values: the graph, its inputs and infos, its lowering,
+    and a budget that splits the Add (axis 0 may be a view; axes 1-3 split alike)."""
     text = SPLIT_CHAIN_GRAPH.replace("float[64, 64] x, float[1, 64] r", "float[2, 8, 8, 8] x, float[1, 8, 8, 8] r")
     text = text.replace("int64[2] {64, 64}", "int64[4] {2, 8, 8, 8}")
     model = onnx.parser.parse_model(text)
@@ -189,11 +188,19 @@ def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monke
     def low(m, i):
         return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
 
+    return model, inputs, infos, low, 3 * infos["a"].nbytes - infos["a"].nbytes // 4
+
+
+def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monkeypatch):
+    # An Add of two [2, 8, 8, 8] values: axis 0 may be a view, axes 1-3 write the same nodes
+    # on other axes (same bytes, same roofline times): one of them is rewritten, and the plan
+    # is the one trying every option gives.
+    model, inputs, infos, low, budget = _four_d()
+
     def planner():
         return JointPlanner(lower=low, infer=lambda m: shapes.infer_tensor_infos(m, inputs),
                             cost_model=AnalyticalCostModel(get_profile("H100")))
 
-    budget = 3 * infos["a"].nbytes - infos["a"].nbytes // 4
     fewer = planner()
     plan = fewer.plan(model, infos, budget)
     monkeypatch.setattr(split_planner, "_cost_class", lambda *args: None)
@@ -210,12 +217,7 @@ def test_options_that_only_differ_in_a_non_leading_axis_are_rewritten_once(monke
 def test_candidate_splits_rewritten_in_forked_workers_give_the_same_plan(tmp_path):
     """An op's candidate splits are rewritten side by side in forked processes: the same
     candidates, the same plan as in one process, and the rewrites did run elsewhere."""
-    text = SPLIT_CHAIN_GRAPH.replace("float[64, 64] x, float[1, 64] r", "float[2, 8, 8, 8] x, float[1, 8, 8, 8] r")
-    text = text.replace("int64[2] {64, 64}", "int64[4] {2, 8, 8, 8}")
-    model = onnx.parser.parse_model(text)
-    f32 = np.dtype(np.float32)
-    inputs = {"x": shapes.TensorInfo(f32, (2, 8, 8, 8)), "r": shapes.TensorInfo(f32, (1, 8, 8, 8))}
-    infos = shapes.infer_tensor_infos(model, inputs)
+    model, inputs, infos, low, budget = _four_d()
     pids = tmp_path / "pids"
 
     def infer(m):
@@ -223,10 +225,6 @@ def test_candidate_splits_rewritten_in_forked_workers_give_the_same_plan(tmp_pat
             f.write(f"{os.getpid()}\n")
         return shapes.infer_tensor_infos(m, inputs)
 
-    def low(m, i):
-        return lower(m, i, state_pairs={}, data_inputs=["x", "r"], fetches=["y"], max_block_nodes=1)
-
-    budget = 3 * infos["a"].nbytes - infos["a"].nbytes // 4
     plans, tried = {}, {}
     for workers in (1, 2):
         planner = JointPlanner(lower=low, infer=infer, cost_model=AnalyticalCostModel(get_profile("H100")),
