@@ -597,7 +597,8 @@ class _Tally:
     """One search's evaluations so far, and whether its time limit or evaluation cap is reached.
     The limit is kept, not just checked: the search stops where the longest stretch between
     two checks so far (a batch of evaluations, or a generation's bookkeeping and a new best
-    decoded) would run past it."""
+    decoded) would run past it, with as much again left for the caller's replay of the best
+    plan over two steps (about one evaluation's work)."""
 
     config: GAConfig
     clock: Callable[[], float]
@@ -616,7 +617,7 @@ class _Tally:
         if self.last_check is not None:
             self.longest_gap = max(self.longest_gap, now - self.last_check)
         self.last_check = now
-        return "time" if now - self.start + self.longest_gap >= self.config.time_limit_s else None
+        return "time" if now - self.start + 2 * self.longest_gap >= self.config.time_limit_s else None
 
     def allowed(self, count: int) -> int:
         """At most ``count`` evaluations more, within the cap."""
