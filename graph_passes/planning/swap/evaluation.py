@@ -17,7 +17,7 @@ import math
 from typing import Callable, Sequence
 
 from graph_passes.planning.swap.search import SwapCandidate
-from graph_passes.planning.workers import ForkedMap, default_workers
+from graph_passes.planning.workers import ForkedMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,4 +59,4 @@ class Evaluator:
         self._timed.close()
 
 
-__all__ = ["Evaluated", "Evaluator", "default_workers", "step_time_of"]
+__all__ = ["Evaluated", "Evaluator", "step_time_of"]

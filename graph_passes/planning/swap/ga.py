@@ -61,12 +61,13 @@ from typing import Callable, Mapping, Sequence
 import onnx
 import onnx_ir.passes
 
-from graph_passes.planning.swap.evaluation import Evaluator, default_workers, step_time_of
+from graph_passes.planning.swap.evaluation import Evaluator, step_time_of
 from graph_passes.planning.swap.eviction import issue_swap_outs_early
 from graph_passes.ir.liveness import node_io
 from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
 from graph_passes.ir.memory import least_budget_bytes
 from graph_passes.planning.swap.prefetch import hoist_swap_ins
+from graph_passes.planning.workers import default_workers
 from graph_passes.ir.program import Program, order_dependent_closure, program_order
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.swap.planner import EVICT_BELADY, EVICTION_ORDERS, Infeasible, SwapPlanner, apply_swap_plan
