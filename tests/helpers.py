@@ -30,7 +30,7 @@ def batches(name: str, steps: int, *, seq_lengths=None, config="tiny"):
 
 def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny", block_nodes=None,
               data=None, drop_prefetches=False, arena_policy=None, async_swap_outs=None, planning_profile=None,
-              selective_recompute=True, recompute_policy="input_aware", **options) -> Run:
+              selective_recompute=True, recompute_policy="input_aware", intra_op_threads=0, **options) -> Run:
     spec = get_model(name, config)
     data = data or batches(name, steps, config=config)
     kwargs = {"max_block_nodes": block_nodes} if block_nodes else {}
@@ -42,7 +42,7 @@ def train_ort(name: str, *, steps=5, budget=None, optimizer="sgd", config="tiny"
         kwargs["planning_profile"] = planning_profile
     device = ort_offload.set_offload_device("cpu", budget=budget, drop_prefetches=drop_prefetches,
                                             selective_recompute=selective_recompute, recompute_policy=recompute_policy,
-                                            **kwargs)
+                                            intra_op_threads=intra_op_threads, **kwargs)
     trainer = ort_offload.create_ort_trainer(
         device, spec.model, loss_fn=spec.loss_fn, example_inputs=data[0][0], example_targets=data[0][1],
         input_names=spec.input_names, target_names=spec.target_names, dynamic_axes=spec.dynamic_axes,

@@ -56,6 +56,10 @@ class PlanningTarget:
     alignment: int = 64
     max_block_nodes: int | None = None
     measure_splits: bool = False  # profile split candidates on this machine (the CPU device)
+    # Plans run on ONNX Runtime's CPU kernels (the CPU device, whatever profile plans are timed
+    # on): splits whose exactness depends on a kernel's order of sums are probed there.
+    cpu_kernels: bool = False
+    intra_op_threads: int = 0  # the block sessions' thread count (0: ONNX Runtime's default)
     recompute_policy: str = "input_aware"
     selective_recompute: bool = True
     plan_time: float = 0.0  # seconds of planning in all; what the grid leaves goes to the GA (0: grid only)

@@ -263,7 +263,8 @@ class StepPlanner:
             return shapes.infer_tensor_infos(model, input_infos, probe_feeds=probe_feeds)
 
         planner = JointPlanner(lower=lower_fine, infer=infer, cost_model=AnalyticalCostModel(target.profile()),
-                               alignment=target.alignment, measure=target.measure_splits, memo=self.split_memo)
+                               alignment=target.alignment, measure=target.measure_splits, memo=self.split_memo,
+                               staged_reductions=target.cpu_kernels, threads=target.intra_op_threads)
         result = planner.plan(target.model, infos, budget)
         if isinstance(result, Bottleneck):
             logger.info("split plan for %s: bottleneck %s %s needs %d bytes (%s)", target.graph.name, result.op_type,

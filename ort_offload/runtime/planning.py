@@ -44,6 +44,7 @@ def planning_target(graph: TrainingGraph, device: OffloadDevice, *, fetches: Seq
         graph=graph, model=model, profile=profile, schedule=None if swap_points else order_dependent_last(model),
         swap_points=swap_points, fetches=fetches, passes=passes, alignment=device.alignment,
         max_block_nodes=device.max_block_nodes, measure_splits=device.kind == "cpu" and device.planning_profile is None,
+        cpu_kernels=device.kind == "cpu", intra_op_threads=device.intra_op_threads,
         recompute_policy=device.recompute_policy, selective_recompute=device.selective_recompute,
         plan_time=device.plan_time, plan_seed=device.plan_seed,
         plan_evaluations=device.plan_evaluations, plan_workers=device.plan_workers, session_bytes=session_bytes,

@@ -14,7 +14,9 @@ run by
   its micro-op under the liveness-based lowering;
 - the merges: ``Concat`` for concat splits, emitted only where the output is read outside the
   run or is a graph output; a running ``Add`` after each micro-op for sum splits (then ``Mul``
-  by the scale for means); for chain splits the last micro-op writes the output itself.
+  by the scale for means); for chain splits the last micro-op writes the output itself; for
+  staged reductions a ``Concat`` of the small partial reductions, a ``ReduceSum`` over it
+  (then ``Div`` by the count for means).
 
 Merged outputs keep their names, so consumers and graph outputs are untouched. The new nodes
 stand where the run's last node stood, and the graph is then re-sorted stably (a node that read
@@ -54,7 +56,7 @@ from graph_passes.ir.proto_mirror import ProtoMirror
 from graph_passes.ir.provenance import PASS_KEY, REASON_KEY, SPLIT_PASS, SPLIT_SOURCE_KEY
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.rules import (
-    CHAIN, CONCAT, SUM, Carry, Merge, MicroShape, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole,
+    CHAIN, CONCAT, STAGED, SUM, AxesInput, Carry, Merge, MicroShape, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole,
     chunk_sizes, find_option,
 )
 
@@ -214,6 +216,7 @@ def split_in_place(graph: ir.Graph, plan: SplitPlan, infos: Mapping[str, TensorI
             new_nodes.extend(replaced[index])
         elif index not in removed:
             new_nodes.append(node)
+    new_nodes = shared.fold_shape_readers(new_nodes, infos)
     new_nodes = shared.drop_unread_merges(new_nodes, merged, graph_outputs)
     order = stable_topological(new_nodes, available_values(graph))
     if order is None:
@@ -258,6 +261,32 @@ class _MergedPieces:
         """The micro-tensors of ``name`` cut on ``axis`` into ``sizes``, where a run made them."""
         found = self.pieces.get((name, axis))
         return found[1] if found is not None and found[0] == sizes else None
+
+    def fold_shape_readers(self, nodes: list[ir.Node], infos: Mapping[str, TensorInfo]) -> list[ir.Node]:
+        """``nodes`` with each ``Shape`` or ``Size`` of a merged value replaced by a Constant of
+        what it computes (the split graph is specialized to its signature), so that such a
+        reader (a BatchNorm's element count) does not keep the merge."""
+        folded = []
+        for node in nodes:
+            name = node.inputs[0].name if node.inputs and node.inputs[0] is not None else None
+            if node.domain != "" or node.op_type not in ("Shape", "Size") or name not in self.concats:
+                folded.append(node)
+                continue
+            shape = np.asarray(infos[name].shape, np.int64)
+            if node.op_type == "Size":
+                value = np.asarray(np.prod(shape), np.int64)
+            else:
+                start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", None)
+                value = shape[start:end]
+            constant = ir.Value(name=node.outputs[0].name)
+            attr = ir.Attr("value", ir.AttributeType.TENSOR, ir.tensor(value, name=constant.name))
+            replacement = ir.Node("", "Constant", [], [attr], outputs=[constant], name=f"{node.name}__folded")
+            replacement.metadata_props[PASS_KEY] = PASS_NAME
+            replacement.metadata_props[REASON_KEY] = f"{node.op_type} of {name}, fixed for this signature"
+            take_over(node.outputs[0], constant)
+            node.replace_input_with(0, None)
+            folded.append(replacement)
+        return folded
 
     def drop_unread_merges(self, nodes: list[ir.Node], merged: dict[str, ir.Value], graph_outputs) -> list[ir.Node]:
         """``nodes`` without the merges whose value no other node reads (nor the graph
@@ -367,7 +396,24 @@ class _GroupWriter:
                                                     f"merge {parts} micro-tensors of {name} on axis {merge.axis}",
                                                     axis=merge.axis)
                     self.shared.add(name, merge.axis, tuple(self.item.sizes), micro[(position, name)], self.out[-1])
+                elif name and merge.kind == STAGED and self._needed_outside(name, in_run):
+                    self._reduce_stages(name, merge, micro[(position, name)])
         return self.out
+
+    def _reduce_stages(self, name: str, merge: Merge, micros: list[ir.Value]) -> None:
+        """The second stage of a staged reduction: the partial reductions (the split axis
+        kept, every other reduced axis 1) concatenated, then summed over the op's axes."""
+        rows, = self._node("Concat", micros, [f"{name}{self.tag}_rows"], f"{name}{self.tag}_rows",
+                           f"merge the partial reductions of {name} on axis {merge.axis}", axis=merge.axis)
+        axes = self._constant(f"{name}{self.tag}_axes", np.asarray(merge.reduce_axes, np.int64), f"axes of {name}")
+        target = name if merge.divisor is None else f"{name}{self.tag}_sum"
+        self.merged[name], = self._node("ReduceSum", [rows, axes], [target], f"{name}{self.tag}_reduce",
+                                        f"reduce the partial reductions of {name}", keepdims=merge.keepdims)
+        if merge.divisor is not None:
+            count = self._constant(f"{name}{self.tag}_count", np.asarray(merge.divisor, self.infos[name].dtype),
+                                   f"elements averaged in {name}")
+            self.merged[name], = self._node("Div", [self.merged[name], count], [name], f"{name}{self.tag}_mean",
+                                            f"divide the sum of {name} by the count")
 
     def _micro_op(self, index: int, position: int, option: SplitOption, i: int, micro) -> ir.Node:
         """Micro-op ``i`` of run node ``index`` (its pieces and shape constants made first)."""
@@ -391,6 +437,11 @@ class _GroupWriter:
                                            f"shape of micro-op {i}")
             elif isinstance(part, Carry) and i:
                 inputs[k] = micro[(position, source.outputs[part.output].name)][i - 1]
+            elif isinstance(part, AxesInput):
+                if ("axes", position) not in self.constants:
+                    self.constants[("axes", position)] = self._constant(
+                        f"{name}{self.tag}_p{position}_axes", np.asarray(part.axes, np.int64), "axes of the micro-ops")
+                inputs[k] = self.constants[("axes", position)]
         outputs = [ir.Value(name=v.name) for v in source.outputs]  # (beyond the option's outputs: as they were)
         for k, (value, merge) in enumerate(zip(source.outputs, option.outputs)):
             if value.name:

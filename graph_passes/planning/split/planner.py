@@ -39,12 +39,14 @@ from graph_passes.ir.allocator import DEFAULT_ALIGNMENT, align_up
 from graph_passes.ir.memory import simulate_program
 from graph_passes.ir.program import Program, RunBlock
 from graph_passes.ir.shapes import TensorInfo
+from graph_passes.planning.split.absorb import absorb_readers
 from graph_passes.planning.split.cost import measure_node_times, split_added_time
 from graph_passes.planning.split.graph_pass import PASS_KEY, PASS_NAME, Cut, SplitPlan, SplitRun, write_split_plan
 from graph_passes.planning.split.rules import (
-    CONCAT, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole, constant_values, find_option,
+    CONCAT, STAGED, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole, constant_values, find_option,
     is_exact, split_options,
 )
+from graph_passes.planning.split.reduction_order import staged_matches
 from graph_passes.planning.split.time_cache import MeasuredTimes
 from graph_passes.planning.swap.planner import Infeasible, SwapPlanner, apply_swap_plan, step_requirements
 from graph_passes.planning.workers import ForkedMap, default_workers
@@ -166,6 +168,7 @@ class JointPlanner:
         infer: Callable[[onnx.ModelProto], Mapping[str, TensorInfo]], cost_model: CostModel,
         parts: tuple[int, ...] = SPLIT_PARTS, alignment: int = DEFAULT_ALIGNMENT, measure: bool = False,
         max_splits: int = 256, memo: SplitMemo | None = None, workers: int | None = None,
+        staged_reductions: bool = False, threads: int = 0,
     ) -> None:
         self.lower, self.infer, self.cost_model = lower, infer, cost_model
         self.parts, self.alignment, self.measure, self.max_splits = tuple(parts), alignment, measure, max_splits
@@ -173,6 +176,10 @@ class JointPlanner:
         # measuring, which profiles in ONNX Runtime in this process).
         self.workers = workers or (1 if measure else default_workers())
         self._walk_workers: tuple | None = None  # (graph, infos, ForkedMap) while plan() walks
+        # Plans run on ONNX Runtime's CPU kernels (with ``threads`` intra-op threads): a staged
+        # reduction is exact where probed so (graph_passes.planning.split.reduction_order);
+        # elsewhere it counts as inexact.
+        self.staged_reductions, self.threads = staged_reductions, threads
         self.memo = memo if memo is not None else SplitMemo()
         self._measured: MeasuredTimes = self.memo.measured
         self._profiled: set[tuple] = set()  # signatures this planner charged measured times for
@@ -222,29 +229,33 @@ class JointPlanner:
             logger.info("split %s %d ways on %s: needs %d instead of %d bytes, +%.3g ms", choice.node, choice.parts,
                         choice.axis, choice.needed_after, choice.needed_before, choice.added_time_s * 1e3)
         split = SplitPlan(tuple(runs))
-        chained = self._chained(model, infos, constants, split, budget)
-        if chained is not None:
-            split, (_, current_infos, program) = chained
+        exact = functools.partial(self._exact, infos=infos)
+        joined = (self._joined(model, infos, chain_runs(model, infos, constants,
+                                                        absorb_readers(model, infos, constants, split, exact)),
+                               split, budget)
+                  or self._joined(model, infos, chain_runs(model, infos, constants, split), split, budget))
+        if joined is not None:
+            split, (_, current_infos, program) = joined
         return self._check(split, tuple(choices), program, current_infos, budget)
 
-    def _chained(self, model, infos, constants, split: SplitPlan, budget: int):
-        """``split`` with its runs chained (:func:`chain_runs`), and its rewrite, where that
-        changes the plan, rewrites and still fits ``budget`` step by step; else None."""
-        chained = chain_runs(model, infos, constants, split)
-        if chained == split:
+    def _joined(self, model, infos, joined: SplitPlan, split: SplitPlan, budget: int):
+        """``joined`` (``split`` with readers absorbed, :func:`absorb_readers`, or runs chained,
+        :func:`chain_runs`) and its rewrite, where it differs from ``split``, rewrites and still
+        fits ``budget`` step by step; else None."""
+        if joined == split:
             return None
         try:
-            rewrite = self.rewritten(model, infos, chained)
+            rewrite = self.rewritten(model, infos, joined)
         except ValueError as e:  # e.g. a node outside a run between two of its nodes
-            logger.info("split runs not chained: %s", e)
+            logger.info("split runs not joined: %s", e)
             return None
         if rewrite is None:
             return None
         sizes = self._sizes(rewrite[1])
         if any(need > budget for _, need in step_requirements(rewrite[2], sizes)):
             return None
-        logger.info("split runs chained: %d runs of %d nodes", len(chained.runs), chained.split_nodes)
-        return chained, rewrite
+        logger.info("split runs joined: %d runs of %d nodes", len(joined.runs), joined.split_nodes)
+        return joined, rewrite
 
     def _sizes(self, infos: Mapping[str, TensorInfo]) -> dict[str, int]:
         return {n: align_up(i.nbytes, self.alignment) for n, i in infos.items()}
@@ -259,10 +270,11 @@ class JointPlanner:
             return Bottleneck(_label(node), node.op_type, need, str(e))
         tag = re.compile(rf"__sp{len(runs)}(?!\d)")
         run_axes = None if self.measure else _RunAxes.of(model, infos, constants, runs)  # measured: every axis
-        exact = [o for o in options if is_exact(o)]
+        exact = [o for o in options if self._exact(node, o, infos=infos)]
+        exact_ids = {id(o) for o in exact}
         tried = self._tried(model, infos, runs, index, self._one_per_class(node, exact, infos, run_axes), tag, need, budget)
         if not any(t.fits for t in tried):  # no exact split fits: a sum of partial results may
-            inexact = [o for o in options if not is_exact(o)]
+            inexact = [o for o in options if id(o) not in exact_ids]
             tried += self._tried(model, infos, runs, index, self._one_per_class(node, inexact, infos, run_axes), tag,
                                  need, budget)
         best, least = None, need
@@ -279,16 +291,22 @@ class JointPlanner:
             group_nodes = [rewritten.graph.node[i] for i in sorted(t.group)]
             cost_model = self._cost_model(node, model, infos, group_nodes, new_infos, rewritten)
             added = split_added_time(node, infos, group_nodes, new_infos, cost_model, views=views)
-            exact = is_exact(t.option)
-            rank = (not exact, added / (need - t.after), t.run.parts)
+            is_exact_option = id(t.option) in exact_ids
+            rank = (not is_exact_option, added / (need - t.after), t.run.parts)
             if best is None or rank < best[0]:  # the first tried keeps a tie
-                choice = SplitChoice(_label(node), t.option.key, t.run.parts, need, t.after, added, exact)
+                choice = SplitChoice(_label(node), t.option.key, t.run.parts, need, t.after, added, is_exact_option)
                 best = (rank, (t.run, choice, rewritten, new_infos, program))
         if best is None:
             return Bottleneck(_label(node), node.op_type, least,
                               f"no split of {node.op_type} {_label(node)!r} (p in {self.parts}) brings its {need} bytes "
                               f"under the budget {budget}; the best needs {least}")
         return best[1]
+
+    def _exact(self, node: onnx.NodeProto, option: SplitOption, *, infos: Mapping[str, TensorInfo]) -> bool:
+        """Whether ``option`` computes ``node``'s own bits: :func:`is_exact`, or a staged
+        reduction whose order ONNX Runtime's CPU kernel was probed to share."""
+        return is_exact(option) or (self.staged_reductions and staged_exact(node, infos, option, self.parts,
+                                                                            self.threads))
 
     def _one_per_class(self, node, options, infos, run_axes) -> list[SplitOption]:
         """``options`` less those in the cost class of one before them (:func:`_cost_class`;
@@ -492,6 +510,20 @@ def _cost_class(node: onnx.NodeProto, option: SplitOption, infos: Mapping[str, T
     return option.op_type, option.attributes, option.extent, tuple(sliced), len(option.outputs)
 
 
+def staged_exact(node: onnx.NodeProto, infos: Mapping[str, TensorInfo], option: SplitOption,
+                 parts: tuple[int, ...], threads: int = 0) -> bool:
+    """Whether ``option``, a staged reduction (every other output merge exact), gives ``node``'s
+    bits on ONNX Runtime's CPU kernels for every count of ``parts`` (probed, at ``threads``
+    intra-op threads and the usual counts)."""
+    staged = [m for m in option.outputs if m.kind == STAGED]
+    if len(staged) != 1 or not is_exact(dataclasses.replace(option, outputs=tuple(m for m in option.outputs
+                                                                                      if m.kind != STAGED))):
+        return False
+    merge, x = staged[0], infos.get(node.input[0])
+    return x is not None and staged_matches(node.op_type, x.shape, x.dtype.str, merge.reduce_axes, merge.keepdims,
+                                            merge.axis, parts, threads)
+
+
 def _is_split_node(node: onnx.NodeProto) -> bool:
     return any(p.key == PASS_KEY and p.value == PASS_NAME for p in node.metadata_props)
 
@@ -506,4 +538,5 @@ def split_node_count(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if _is_split_node(n))
 
 
-__all__ = ["Bottleneck", "JointPlan", "JointPlanner", "SPLIT_PARTS", "SplitChoice", "SplitMemo", "split_node_count"]
+__all__ = ["Bottleneck", "JointPlan", "JointPlanner", "SPLIT_PARTS", "SplitChoice", "SplitMemo", "split_node_count",
+           "staged_exact"]

@@ -13,8 +13,9 @@ shapes, the values of constant inputs) and returns its :class:`SplitOption` s. A
   (:class:`MicroShape`: the target shape of a Reshape/Expand with the split dim shrunk), or the
   previous micro-op's output (:class:`Carry`: the accumulator of a ScatterND with add);
 - for every output, how the micro-outputs merge (:class:`Merge`): Concat along an axis, Sum of
-  partial sums (optionally scaled, for means computed as micro-sums), or ``chain`` (the last
-  micro-op's output is the result);
+  partial sums (optionally scaled, for means computed as micro-sums), ``chain`` (the last
+  micro-op's output is the result), or ``staged`` (a reduction whose micro-ops keep the split
+  axis: Concat of the small partial reductions, then the reduction over them);
 - micro-op overrides: another op type (ReduceMean over a split reduced axis becomes ReduceSum)
   or attributes (a mean loss becomes a sum loss).
 
@@ -41,6 +42,7 @@ from graph_passes.errors import UnsupportedGraphError
 CONCAT = "concat"
 SUM = "sum"
 CHAIN = "chain"
+STAGED = "staged"
 
 
 class UnsplittableOpError(UnsupportedGraphError):
@@ -76,17 +78,29 @@ class Carry:
     output: int
 
 
-Part = SliceOn | Whole | MicroShape | Carry
+@dataclasses.dataclass(frozen=True)
+class AxesInput:
+    """An int64 axes input replaced, for every micro-op, by ``axes``."""
+
+    axes: tuple[int, ...]
+
+
+Part = SliceOn | Whole | MicroShape | Carry | AxesInput
 
 
 @dataclasses.dataclass(frozen=True)
 class Merge:
     """How the micro-outputs of one output become the output: ``concat`` along ``axis``;
-    ``sum`` (times ``scale`` when given); ``chain`` (the last micro-output is the output)."""
+    ``sum`` (times ``scale`` when given); ``chain`` (the last micro-output is the output);
+    ``staged``: Concat along ``axis``, then ReduceSum over ``reduce_axes`` (``keepdims``),
+    divided by ``divisor`` when given (a mean)."""
 
     kind: str
     axis: int | None = None
     scale: float | None = None
+    reduce_axes: tuple[int, ...] = ()
+    keepdims: int = 1
+    divisor: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,10 +488,16 @@ def _reduce_axes(node: NodeInfo, rank: int) -> list[int] | None:
 @dataclasses.dataclass(frozen=True)
 class ReduceRule(SplitRule):
     """Reduce*: kept axes — Concat on the matching output axis. A reduced axis, for ReduceSum —
-    Sum; for ReduceMean — micro ReduceSum, Sum, times 1/(reduced elements)."""
+    Sum; for ReduceMean — micro ReduceSum, Sum, times 1/(reduced elements). With ``staged``
+    (ReduceSum, ReduceMean) and more than one reduced axis, also: micro-ops that reduce the other
+    axes and keep the split one, merged by Concat (small) and one ReduceSum over it (divided by
+    the count for a mean). A kernel that sums rows first and then the rows' sums in order gives
+    its own bits this way; whether ONNX Runtime's does is probed, not assumed
+    (:mod:`graph_passes.planning.split.reduction_order`)."""
 
     sum_merge: bool = False
     mean: bool = False
+    staged: bool = False
 
     def options(self, node):
         x = node.shape(0)
@@ -496,7 +516,19 @@ class ReduceRule(SplitRule):
                 merge = Merge(SUM, scale=1.0 / count) if self.mean else Merge(SUM)
                 options.append(SplitOption(SplitAxis(SUM, i), x[i], tuple([SliceOn(i)] + rest), (merge,),
                                            op_type="ReduceSum" if self.mean else None))
+        if self.staged and len(axes) > 1 and node.ints(1) is not None:  # axes as an input (opset 18)
+            options += [self._staged(node, x, axes, keep, i) for i in axes]
         return tuple(options)
+
+    def _staged(self, node: NodeInfo, x: tuple[int, ...], axes: list[int], keep: int, i: int) -> SplitOption:
+        """Split on reduced axis ``i``: micro ReduceSum over ``axes`` but ``i`` (an axes input,
+        as opset 18 has it), keepdims."""
+        others = tuple(a for a in axes if a != i)
+        inputs = (SliceOn(i), AxesInput(others)) + (Whole(),) * (len(node.input_shapes) - 2)
+        divisor = int(np.prod([x[a] for a in axes])) if self.mean else None
+        merge = Merge(STAGED, axis=i, reduce_axes=tuple(axes), keepdims=keep, divisor=divisor)
+        return SplitOption(SplitAxis(STAGED, i), x[i], inputs, (merge,), op_type="ReduceSum",
+                           attributes=(("keepdims", 1),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,8 +694,8 @@ SPLIT_RULES.update({
     "GatherElements": GatherElementsRule(),
     "ScatterElements": ScatterElementsRule(),
     "ScatterND": ScatterNDRule(),
-    "ReduceSum": ReduceRule(sum_merge=True),
-    "ReduceMean": ReduceRule(mean=True),
+    "ReduceSum": ReduceRule(sum_merge=True, staged=True),
+    "ReduceMean": ReduceRule(mean=True, staged=True),
     "ReduceMax": ReduceRule(), "ReduceMin": ReduceRule(), "ReduceProd": ReduceRule(),
     "Transpose": TransposeRule(),
     "Reshape": ReshapeRule(),
@@ -693,8 +725,10 @@ UNSPLITTABLE: dict[str, str] = {
 
 def is_exact(option: SplitOption) -> bool:
     """No output of ``option`` is a sum of partial results: its micro-ops and merges compute
-    the op's own bits (a Sum adds in another order than the op's kernel and rounds differently)."""
-    return all(merge.kind != SUM for merge in option.outputs)
+    the op's own bits (a Sum adds in another order than the op's kernel and rounds differently).
+    A ``staged`` reduction is exact only where the kernel's order was probed to be the same
+    (:func:`graph_passes.planning.split.reduction_order.staged_matches`), so not by itself."""
+    return all(merge.kind not in (SUM, STAGED) for merge in option.outputs)
 
 
 def split_options(node: NodeInfo) -> tuple[SplitOption, ...]:
@@ -750,7 +784,7 @@ def ir_constant(value: ir.Value | None) -> np.ndarray | None:
 
 
 __all__ = [
-    "CHAIN", "CONCAT", "SUM", "SPLIT_RULES", "UNSPLITTABLE", "Carry", "Merge", "MicroShape", "NodeInfo", "is_exact",
+    "CHAIN", "CONCAT", "STAGED", "SUM", "SPLIT_RULES", "AxesInput", "UNSPLITTABLE", "Carry", "Merge", "MicroShape", "NodeInfo", "is_exact",
     "SliceOn", "SplitAxis", "SplitOption", "SplitRule", "UnsplittableOpError", "Whole", "chunk_sizes",
     "constant_values", "find_option", "ir_constant", "split_options",
 ]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from graph_passes.planning.split.rules import (
-    CHAIN, CONCAT, ELEMENTWISE_OPS, SPLIT_RULES, SUM, UNSPLITTABLE, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, Whole,
+    CHAIN, CONCAT, ELEMENTWISE_OPS, SPLIT_RULES, STAGED, SUM, UNSPLITTABLE, NodeInfo, SliceOn, SplitAxis, UnsplittableOpError, Whole,
     chunk_sizes, constant_values, split_options,
 )
 from split_helpers import assert_split_matches, infos_for, keys_of, single_op_model
@@ -213,7 +213,8 @@ def test_rules_offer_the_splits_the_paper_names(case_infos):
     assert SplitAxis(CONCAT, 0) in keys("BatchNormalization-inference")
     assert keys("Softmax") == {SplitAxis(CONCAT, 0), SplitAxis(CONCAT, 1)}
     assert keys("LayerNormalization") == {SplitAxis(CONCAT, 0), SplitAxis(CONCAT, 1)}
-    assert keys("ReduceSum-bias-grad") == {SplitAxis(SUM, 0), SplitAxis(CONCAT, 0), SplitAxis(SUM, 2)}
+    assert keys("ReduceSum-bias-grad") == {SplitAxis(SUM, 0), SplitAxis(CONCAT, 0), SplitAxis(SUM, 2),
+                                           SplitAxis(STAGED, 0), SplitAxis(STAGED, 2)}
     assert keys("ReduceMax") == {SplitAxis(CONCAT, 0), SplitAxis(CONCAT, 1)}  # no merge for a split max
     assert keys("ScatterND-embedding-grad") >= {SplitAxis(CHAIN, 0), SplitAxis(CHAIN, 1), SplitAxis(CONCAT, 1)}
     assert keys("MaxPool") == {SplitAxis(CONCAT, 0), SplitAxis(CONCAT, 1)}
