@@ -229,19 +229,25 @@ class JointPlanner:
             logger.info("split %s %d ways on %s: needs %d instead of %d bytes, +%.3g ms", choice.node, choice.parts,
                         choice.axis, choice.needed_after, choice.needed_before, choice.added_time_s * 1e3)
         split = SplitPlan(tuple(runs))
-        exact = functools.partial(self._exact, infos=infos)
-        joined = (self._joined(model, infos, chain_runs(model, infos, constants,
-                                                        absorb_readers(model, infos, constants, split, exact)),
-                               split, budget)
-                  or self._joined(model, infos, chain_runs(model, infos, constants, split), split, budget))
+        joined = self._joined_plan(model, infos, constants, split, budget)
         if joined is not None:
             split, (_, current_infos, program) = joined
         return self._check(split, tuple(choices), program, current_infos, budget)
 
+    def _joined_plan(self, model, infos, constants, split: SplitPlan, budget: int):
+        """``split`` with readers taken into its runs (:func:`absorb_readers`) and its runs
+        chained (:func:`chain_runs`), else with its runs chained only, and the rewrite: the
+        first that changes the plan and fits; None where neither does."""
+        exact = functools.partial(self._exact, infos=infos)
+        absorbed = absorb_readers(model, infos, constants, split, exact)
+        candidates = [chain_runs(model, infos, constants, absorbed)] if absorbed != split else []
+        candidates.append(chain_runs(model, infos, constants, split))
+        return next((found for found in (self._joined(model, infos, c, split, budget) for c in candidates)
+                     if found is not None), None)
+
     def _joined(self, model, infos, joined: SplitPlan, split: SplitPlan, budget: int):
-        """``joined`` (``split`` with readers absorbed, :func:`absorb_readers`, or runs chained,
-        :func:`chain_runs`) and its rewrite, where it differs from ``split``, rewrites and still
-        fits ``budget`` step by step; else None."""
+        """``joined`` and its rewrite, where it differs from ``split``, rewrites and still fits
+        ``budget`` step by step; else None."""
         if joined == split:
             return None
         try:
