@@ -167,12 +167,14 @@ def test_a_reader_with_a_large_output_is_taken_in_only_with_its_own_readers():
 def test_cnn_at_a_split_budget_takes_staged_reductions_and_keeps_the_unplanned_bits(one_thread):
     """cnn tiny on one thread, below the least budget swap and recompute reach: the probe (one
     thread only, as the device runs) admits staged BatchNorm statistics, readers are taken into
-    the runs, and five AdamW steps give the unplanned run's bits."""
+    the runs, and five AdamW steps give the unplanned run's bits. Planned on the V100 profile
+    (a roofline): split choices measured on this CPU vary with its load."""
     unplanned = train_ort("cnn", steps=5, optimizer="adamw", intra_op_threads=1)
     with pytest.raises(BudgetTooSmallError) as refused:
         train_ort("cnn", steps=1, budget=1, passes=("recompute", "swap"), optimizer="adamw", intra_op_threads=1)
     budget = refused.value.needed_bytes * 4 // 5
-    run = train_ort("cnn", steps=5, budget=budget, passes="auto", optimizer="adamw", intra_op_threads=1)
+    run = train_ort("cnn", steps=5, budget=budget, passes="auto", optimizer="adamw", intra_op_threads=1,
+                    planning_profile="V100-16GB-PCIe3")
     prepared = run.trainer.runner.last_prepared
     staged = [n for n in prepared.model.graph.node if n.name.endswith("_reduce") and "__sp" in n.name]
     assert staged, "no staged reduction in the plan"
