@@ -56,8 +56,8 @@ from graph_passes.ir.proto_mirror import ProtoMirror
 from graph_passes.ir.provenance import PASS_KEY, REASON_KEY, SPLIT_PASS, SPLIT_SOURCE_KEY
 from graph_passes.ir.shapes import TensorInfo
 from graph_passes.planning.split.rules import (
-    CHAIN, CONCAT, STAGED, SUM, AxesInput, Carry, Merge, MicroShape, NodeInfo, SliceOn, SplitAxis, SplitOption, UnsplittableOpError, Whole,
-    chunk_sizes, find_option,
+    CHAIN, CONCAT, STAGED, SUM, AxesInput, Carry, Merge, MicroShape, NodeInfo, SliceOn, SplitAxis, SplitOption,
+    UnsplittableOpError, Whole, chunk_sizes, find_option,
 )
 
 logger = logging.getLogger(__name__)

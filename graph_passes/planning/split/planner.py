@@ -518,16 +518,16 @@ def _cost_class(node: onnx.NodeProto, option: SplitOption, infos: Mapping[str, T
 
 def staged_exact(node: onnx.NodeProto, infos: Mapping[str, TensorInfo], option: SplitOption,
                  parts: tuple[int, ...], threads: int = 0) -> bool:
-    """Whether ``option``, a staged reduction (every other output merge exact), gives ``node``'s
-    bits on ONNX Runtime's CPU kernels for every count of ``parts`` (probed, at ``threads``
-    intra-op threads and the usual counts)."""
+    """Whether ``option``, a staged reduction, gives ``node``'s bits on ONNX Runtime's CPU
+    kernels for every count of ``parts`` (probed, at ``threads`` intra-op threads and the usual
+    counts)."""
     staged = [m for m in option.outputs if m.kind == STAGED]
-    if len(staged) != 1 or not is_exact(dataclasses.replace(option, outputs=tuple(m for m in option.outputs
-                                                                                      if m.kind != STAGED))):
+    x = infos.get(node.input[0])
+    if len(staged) != 1 or len(option.outputs) != 1 or x is None:
         return False
-    merge, x = staged[0], infos.get(node.input[0])
-    return x is not None and staged_matches(node.op_type, x.shape, x.dtype.str, merge.reduce_axes, merge.keepdims,
-                                            merge.axis, parts, threads)
+    merge = staged[0]
+    return staged_matches(node.op_type, x.shape, x.dtype.str, merge.reduce_axes, merge.keepdims, merge.axis, parts,
+                          threads)
 
 
 def _is_split_node(node: onnx.NodeProto) -> bool:
